@@ -1,0 +1,150 @@
+"""Chunk and dechunk modules: token -> concept compression and back (CONCEPTMOE.md §2, items 2–5).
+
+- ``ChunkRouter``: boundary probabilities p_t. ``cosine`` (the paper's router):
+  p_t = clamp((1 - cos(W_q h_t, W_k h_{t-1})) / 2, 0, 1); ``linear``: sigmoid of a linear score;
+  ``fixed``: every R-th token (ablations). p_0 = 1 always.
+- ``boundaries``: p >= 0.5 in eval, Bernoulli(sharpen(p)) while training ("boundary noise").
+- ``ratio_loss``: keeps the realised compression near R.
+- ``gather_concepts``: the padded (B, C, D) concept tensor (boundary state or mean since the
+  previous boundary), its mask and per-concept probabilities.
+- ``dechunk``: EMA over concepts (parallel scan, ``scan.py``), broadcast back to tokens, times the
+  straight-through estimator of the probability of the decision taken.
+
+Shape legend: B batch, T tokens, C concepts (max over the batch), D d_model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .scan import ema_scan
+
+
+@dataclass
+class Chunks:
+    """The result of chunking a batch of token states."""
+
+    p: torch.Tensor  # (B, T) boundary probability
+    b: torch.Tensor  # (B, T) bool boundary decision
+    concept_index: torch.Tensor  # (B, T) long: j(t) = cumsum(b)_t - 1, concept each token reads
+    concepts: torch.Tensor  # (B, C, D)
+    mask: torch.Tensor  # (B, C) bool: real concept (rows have different counts)
+    concept_p: torch.Tensor  # (B, C) p at each concept's boundary (0 for padding)
+    positions: torch.Tensor  # (B, C) long token position of each concept's boundary
+
+
+class ChunkRouter(nn.Module):
+    """Boundary probabilities from encoder states. ``step`` is the one-token cached form."""
+
+    def __init__(self, d: int, kind: str = "cosine", ratio: float = 2.0) -> None:
+        super().__init__()
+        self.kind, self.ratio = kind, ratio
+        if kind == "cosine":
+            self.wq = nn.Linear(d, d, bias=False)
+            self.wk = nn.Linear(d, d, bias=False)
+            # Identity start: p_t begins as the plain cosine distance of neighbouring states.
+            nn.init.eye_(self.wq.weight)
+            nn.init.eye_(self.wk.weight)
+        elif kind == "linear":
+            self.score = nn.Linear(d, 1, bias=True)
+            nn.init.zeros_(self.score.weight)
+            nn.init.constant_(self.score.bias, -math.log(ratio - 1))  # sigmoid = 1/R at start
+
+    def forward(self, h: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """h: (B, T, D) -> p: (B, T) in [0, 1], with p = 1 at absolute position 0."""
+        B, T, _ = h.shape
+        pos = torch.arange(offset, offset + T, device=h.device)
+        if self.kind == "cosine":
+            q, k = self.wq(h), self.wk(h)
+            k_prev = torch.cat([k[:, :1], k[:, :-1]], dim=1)  # position 0 is overwritten below
+            p = ((1 - F.cosine_similarity(q.float(), k_prev.float(), dim=-1)) / 2).clamp(0, 1)
+        elif self.kind == "linear":
+            p = torch.sigmoid(self.score(h).squeeze(-1).float())
+        else:
+            p = fixed_boundaries(pos, self.ratio).float().expand(B, T)
+        return torch.where(pos == 0, torch.ones_like(p), p)
+
+
+def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
+    """True where floor(t / R) changes: every R-th token (fractional R allowed), t = 0 included."""
+    return (pos == 0) | (torch.floor(pos / ratio) != torch.floor((pos - 1) / ratio))
+
+
+def sharpen(p: torch.Tensor, s: float) -> torch.Tensor:
+    """Push p toward 0/1: p^(1/s) above 0.5, 1 - (1-p)^(1/s) below (sharpness s)."""
+    return torch.where(p > 0.5, p.pow(1 / s), 1 - (1 - p).pow(1 / s))
+
+
+def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float) -> torch.Tensor:
+    """Boundary decisions (B, T) bool. Training with noise samples from the global torch RNG."""
+    if training and noise:
+        with torch.no_grad():
+            b = torch.bernoulli(sharpen(p.detach(), sharpness)).bool()
+    else:
+        b = p >= 0.5
+    b[:, 0] = True  # a sequence always starts a concept (p_0 = 1 already; be exact)
+    return b
+
+
+def ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: float,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+    """L = R/(R-1)·((R-1)·F·G + (1-F)·(1-G)); F = mean(b) (no grad), G = mean(p)."""
+    if valid is None:
+        Fm, G = b.float().mean().detach(), p.float().mean()
+    else:
+        n = valid.float().sum().clamp_min(1)
+        Fm = ((b & valid).float().sum() / n).detach()
+        G = (p.float() * valid).sum() / n
+    R = ratio
+    return R / (R - 1) * ((R - 1) * Fm * G + (1 - Fm) * (1 - G))
+
+
+def gather_concepts(h: torch.Tensor, p: torch.Tensor, b: torch.Tensor,
+                    pooling: str = "boundary") -> Chunks:
+    """Select the concept vectors of each row into a right-padded (B, C, D) tensor."""
+    B, T, D = h.shape
+    counts = b.sum(1)  # (B,)
+    C = int(counts.max())
+    cidx = b.long().cumsum(1) - 1  # (B, T) j(t)
+    rows, cols = b.nonzero(as_tuple=True)
+    slots = cidx[rows, cols]
+    mask = torch.arange(C, device=h.device)[None] < counts[:, None]  # (B, C)
+    positions = torch.zeros(B, C, dtype=torch.long, device=h.device)
+    positions[rows, slots] = cols
+    concept_p = p.new_zeros(B, C)
+    concept_p[rows, slots] = p[rows, cols]
+    if pooling == "boundary":
+        concepts = h.new_zeros(B, C, D)
+        concepts[rows, slots] = h[rows, cols]
+    else:
+        # Concept j merges tokens (b_{j-1}, b_j]: segment id = cumsum(b) - b, trailing tokens dropped.
+        seg = cidx + 1 - b.long()  # (B, T)
+        keep = seg < counts[:, None]
+        flat = (torch.arange(B, device=h.device)[:, None] * C + seg)[keep]
+        sums = h.new_zeros(B * C, D).index_add_(0, flat, h[keep])
+        n = h.new_zeros(B * C).index_add_(0, flat, torch.ones_like(flat, dtype=h.dtype))
+        concepts = (sums / n.clamp_min(1)[:, None]).view(B, C, D)
+    return Chunks(p, b, cidx, concepts, mask, concept_p, positions)
+
+
+def ste_ones(x: torch.Tensor) -> torch.Tensor:
+    """Straight-through estimator: value 1 forward, identity gradient backward."""
+    return 1 + x - x.detach()
+
+
+def dechunk(chunks: Chunks, c_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """EMA the concept outputs (B, C, D) and broadcast to tokens.
+
+    Returns (z_tok, z_scaled): z_tok = z_{j(t)} (B, T, D) for joint decoding, and
+    z_scaled = z_tok · STE(P_t) to add to the residual stream.
+    """
+    z = ema_scan(chunks.concept_p, c_out)  # (B, C, D)
+    idx = chunks.concept_index.unsqueeze(-1).expand(-1, -1, z.shape[-1])
+    z_tok = torch.gather(z, 1, idx)  # (B, T, D)
+    P = torch.where(chunks.b, chunks.p, 1 - chunks.p)  # probability of the decision taken
+    return z_tok, z_tok * ste_ones(P).unsqueeze(-1).to(z_tok.dtype)

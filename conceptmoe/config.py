@@ -1,0 +1,243 @@
+"""Model configuration: one typed dataclass for both the MoE baseline and ConceptMoE.
+
+Implements the knobs of CONCEPTMOE.md sections 2, 2b and 3. A plain MoE is a single stack
+of ``n_layers`` blocks. A ConceptMoE splits the same ``n_layers`` into three stages:
+``n_encoder_layers`` (token rate), ``n_layers - n_encoder_layers - n_decoder_layers`` concept
+layers (concept rate, optionally looped ``concept_loops`` times) and ``n_decoder_layers``
+(token rate, with joint decoding). The concept model may use its own expert count and top-k
+(``concept_n_experts``, ``concept_top_k``): this is how compute saved by compression is
+reinvested (section 3).
+
+Presets are small named functions; ``ModelConfig.from_preset(name, **overrides)`` picks one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("moe", "conceptmoe")
+CHUNK_ROUTERS = ("cosine", "linear", "fixed")
+CONCEPT_POOLING = ("boundary", "mean")
+QK_NORMS = ("none", "head", "full")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a MoE or ConceptMoE language model (see CONCEPTMOE.md §2)."""
+
+    kind: str = "conceptmoe"  # "moe" (baseline) or "conceptmoe"
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 4  # grouped-query attention when < n_heads
+    n_layers: int = 8  # total blocks (encoder + concept + decoder for ConceptMoE)
+    # --- MoE feed-forward (§2b) ---
+    n_experts: int = 32
+    top_k: int = 4
+    expert_hidden: int = 128  # hidden size of each fine-grained SwiGLU expert
+    n_shared_experts: int = 0
+    shared_hidden: int = 0  # hidden size of each shared expert (0: same as expert_hidden)
+    shared_expert_gate: bool = False  # Qwen-MoE style sigmoid gate on the shared expert
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    balance_loss_weight: float = 0.01
+    router_z_loss_weight: float = 0.001
+    # --- attention ---
+    qk_norm: str = "none"  # "none", "head" (Qwen3-MoE) or "full" (OLMoE)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # --- ConceptMoE (§2, §3) ---
+    n_encoder_layers: int = 2
+    n_decoder_layers: int = 2
+    compression_ratio: float = 2.0  # target R (tokens per concept)
+    chunk_router: str = "cosine"  # "cosine" (paper), "linear" or "fixed" (ablations)
+    boundary_noise: bool = True  # Bernoulli(sharpen(p)) boundaries while training
+    boundary_sharpness: float = 6.0
+    ratio_loss_weight: float = 0.03
+    concept_pooling: str = "boundary"  # "boundary": c_j = h at boundary; "mean": mean since last
+    joint_decoding: bool = True
+    concept_loops: int = 1  # run the concept-model layers this many times
+    concept_n_experts: int | None = None  # None: same as n_experts
+    concept_top_k: int | None = None  # None: same as top_k
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (e.g. preset name)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"ModelConfig.{name}: {why} (got {getattr(self, name)!r})")
+
+        if self.kind not in KINDS:
+            bad("kind", f"must be one of {KINDS}")
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "n_experts",
+                     "top_k", "expert_hidden", "concept_loops"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be a positive integer")
+        if self.d_model % self.n_heads:
+            bad("d_model", f"must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            bad("n_kv_heads", f"must divide n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            bad("d_model", "head dimension d_model/n_heads must be even for RoPE")
+        if self.top_k > self.n_experts:
+            bad("top_k", f"must be <= n_experts={self.n_experts}")
+        if self.n_shared_experts < 0 or self.shared_hidden < 0:
+            bad("n_shared_experts", "shared expert count and size must be >= 0")
+        if self.qk_norm not in QK_NORMS:
+            bad("qk_norm", f"must be one of {QK_NORMS}")
+        for name in ("balance_loss_weight", "router_z_loss_weight", "ratio_loss_weight"):
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            bad("rope_theta", "rope_theta and norm_eps must be > 0")
+        if self.kind == "moe":
+            return
+        if not self.compression_ratio > 1:
+            bad("compression_ratio", "ConceptMoE needs R > 1")
+        if self.chunk_router not in CHUNK_ROUTERS:
+            bad("chunk_router", f"must be one of {CHUNK_ROUTERS}")
+        if self.concept_pooling not in CONCEPT_POOLING:
+            bad("concept_pooling", f"must be one of {CONCEPT_POOLING}")
+        if self.boundary_sharpness < 1:
+            bad("boundary_sharpness", "must be >= 1")
+        if self.n_encoder_layers < 1 or self.n_decoder_layers < 1:
+            bad("n_encoder_layers", "encoder and decoder need at least one layer each")
+        if self.n_concept_layers < 1:
+            bad("n_layers", "must leave at least one concept layer after encoder and decoder")
+        if self.concept_n_experts is not None and self.concept_n_experts < 1:
+            bad("concept_n_experts", "must be a positive integer or None")
+        if self.concept_top_k is not None and not 1 <= self.concept_top_k <= self.concept_experts:
+            bad("concept_top_k", f"must be in [1, concept experts={self.concept_experts}]")
+
+    # ----- derived sizes -----
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def is_concept(self) -> bool:
+        return self.kind == "conceptmoe"
+
+    @property
+    def n_concept_layers(self) -> int:
+        if not self.is_concept:
+            return self.n_layers
+        return self.n_layers - self.n_encoder_layers - self.n_decoder_layers
+
+    @property
+    def concept_experts(self) -> int:
+        return self.concept_n_experts or self.n_experts
+
+    @property
+    def concept_k(self) -> int:
+        return self.concept_top_k or self.top_k
+
+    @property
+    def shared_size(self) -> int:
+        return self.shared_hidden or self.expert_hidden
+
+    @property
+    def name(self) -> str:
+        """Paper-style name, e.g. ``ConceptMoE-1L-top24-R2`` (layer multiplier vs extra['base_layers'])."""
+        if not self.is_concept:
+            return f"MoE-top{self.top_k}"
+        base = self.extra.get("base_concept_layers", self.n_concept_layers)
+        mult = self.n_concept_layers * self.concept_loops / base
+        layers = f"{mult:g}L" if self.concept_loops == 1 else f"1L-loop{self.concept_loops}"
+        return f"ConceptMoE-{layers}-top{self.concept_k}-R{self.compression_ratio:g}"
+
+    # ----- (de)serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown field(s) {unknown}")
+        return cls(**d)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "ModelConfig":
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        text = p.read_text() if p is not None else str(text_or_path)
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        return self.from_dict({**self.to_dict(), **overrides})
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        base = PRESETS[name]().to_dict()
+        base["extra"] = {**base.get("extra", {}), "preset": name}
+        return cls.from_dict({**base, **overrides})
+
+
+def tiny() -> ModelConfig:
+    """Unit-test size: a forward pass takes milliseconds on CPU."""
+    return ModelConfig(vocab_size=256, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4,
+                       n_experts=8, top_k=2, expert_hidden=16, n_shared_experts=1,
+                       n_encoder_layers=1, n_decoder_layers=1)
+
+
+def small() -> ModelConfig:
+    """Default CPU training model: fine-grained MoE, 8 layers (1 + 6 + 1 for ConceptMoE)."""
+    return ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=4, n_layers=8,
+                       n_experts=32, top_k=4, expert_hidden=64, n_shared_experts=1,
+                       shared_hidden=128, n_encoder_layers=1, n_decoder_layers=1)
+
+
+def paper() -> ModelConfig:
+    """Paper-scale config used for FLOPs tables only (27 layers = 2 + 23 + 2, 64 experts top-8)."""
+    return ModelConfig(vocab_size=50304, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=27,
+                       n_experts=64, top_k=8, expert_hidden=1024, n_shared_experts=0,
+                       qk_norm="full", n_encoder_layers=2, n_decoder_layers=2)
+
+
+PRESETS = {"tiny": tiny, "small": small, "paper": paper}
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """Parse ``key=value`` strings (CLI ``--set``) into typed ModelConfig overrides."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ValueError(f"--set expects key=value, got {pair!r}")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if key not in fields or key == "extra":
+            raise ValueError(f"--set: unknown model field {key!r}")
+        default = getattr(ModelConfig(kind="moe"), key)
+        out[key] = _coerce(key, raw.strip(), default)
+    return out
+
+
+def _coerce(key: str, raw: str, default: Any) -> Any:
+    if raw.lower() in ("none", "null") and key.startswith("concept_"):
+        return None
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int) or key in ("concept_n_experts", "concept_top_k"):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"--set {key}: cannot parse {raw!r} as {type(default).__name__}") from None
+    return raw

@@ -1,0 +1,195 @@
+"""The two language models: a plain fine-grained MoE and ConceptMoE (CONCEPTMOE.md §2, §2b).
+
+``build_model(cfg)`` returns ``MoELM`` or ``ConceptMoELM``. Both take ``input_ids`` (B, T) and
+optional ``labels`` (B, T) in the Hugging Face convention (the model shifts them: logits at t
+predict labels at t+1; -100 is ignored) and return a ``ModelOutput``.
+
+ConceptMoE forward: embed -> encoder blocks (token rate) -> chunk (p, boundaries, concepts)
+-> concept blocks on the padded (B, C, D) concepts, looped ``concept_loops`` times
+-> dechunk (EMA scan, STE) -> decoder blocks with joint decoding -> norm -> LM head.
+RoPE choice: concepts use their concept index 0..C-1 as position (tokens use t).
+
+Shape legend: B batch, T tokens, C concepts, D d_model, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention, RMSNorm, rope_tables
+from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss
+from .config import ModelConfig
+from .moe import MoE, MoEAux
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T, V)
+    loss: torch.Tensor | None = None  # CE + weighted aux terms (None without labels)
+    aux: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    boundaries: torch.Tensor | None = None  # (B, T) bool for ConceptMoE, None for MoE
+    chunks: Chunks | None = None  # full chunking detail (ConceptMoE only)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + pre-norm MoE feed-forward (optionally with joint decoding)."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, top_k: int, joint: bool = False) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, joint=joint)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg.d_model, n_experts, top_k, cfg.expert_hidden, cfg.n_shared_experts,
+                       cfg.shared_size, cfg.shared_expert_gate, cfg.norm_topk_prob)
+
+    def ffn(self, x: torch.Tensor, valid: torch.Tensor | None, dispatch: str) -> tuple[torch.Tensor, MoEAux]:
+        """MoE on the (valid) positions of x (B, T, D); padding positions get zeros."""
+        h = self.moe_norm(x)
+        if valid is None:
+            y, aux = self.moe(h.reshape(-1, h.shape[-1]), dispatch)
+            return x + y.view_as(h), aux
+        y, aux = self.moe(h[valid], dispatch)
+        out = torch.zeros_like(h)
+        out[valid] = y
+        return x + out, aux
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                z: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                dispatch: str = "grouped") -> tuple[torch.Tensor, MoEAux]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, z)
+        return self.ffn(x, valid, dispatch)
+
+
+class _LMBase(nn.Module):
+    """Embedding, final norm, LM head, init and loss shared by both models."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dispatch = "grouped"  # "grouped" | "split" | "loop" (reference), see moe.py
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def _init_weights(self) -> None:
+        std, depth = 0.02, (2 * self.cfg.n_layers * self.cfg.concept_loops) ** -0.5
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or ".attn.j" in name or "chunk." in name:
+                continue  # norms, zero-init joint projections, identity chunk router
+            scale = depth if name.endswith(("wo.weight", "w_down", "down.weight")) else 1.0
+            nn.init.normal_(p, std=std * scale)
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def rope(self, n: int, device: torch.device, dtype: torch.dtype, offset: int = 0):
+        pos = torch.arange(offset, offset + n, device=device)[None]
+        return rope_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def _finish(self, x: torch.Tensor, labels: torch.Tensor | None, moe_aux: list[MoEAux],
+                extra: dict[str, torch.Tensor], extra_loss: torch.Tensor | None) -> ModelOutput:
+        logits = self.lm_head(self.norm(x))
+        balance = torch.stack([a.balance_loss for a in moe_aux]).mean()
+        z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
+        aux = {"balance_loss": balance, "router_z_loss": z_loss, **extra}
+        loss = None
+        if labels is not None:
+            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                 labels[:, 1:].reshape(-1), ignore_index=-100)
+            aux["ce_loss"] = ce
+            loss = ce + self.cfg.balance_loss_weight * balance + self.cfg.router_z_loss_weight * z_loss
+            if extra_loss is not None:
+                loss = loss + extra_loss
+        return ModelOutput(logits=logits, loss=loss, aux=aux)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class MoELM(_LMBase):
+    """Baseline: n_layers MoE blocks at token rate."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k) for _ in range(cfg.n_layers))
+        self._init_weights()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        x = self.embed(input_ids)  # (B, T, D)
+        cos, sin = self.rope(x.shape[1], x.device, x.dtype)
+        moe_aux = []
+        for blk in self.layers:
+            x, a = blk(x, cos, sin, dispatch=self.dispatch)
+            moe_aux.append(a)
+        ratio = torch.zeros((), device=x.device)
+        out = self._finish(x, labels, moe_aux, {"ratio_loss": ratio, "compression": 1.0}, None)
+        return out
+
+
+class ConceptMoELM(_LMBase):
+    """Encoder (token rate) -> chunk -> concept model (concept rate) -> dechunk -> decoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.encoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k)
+                                     for _ in range(cfg.n_encoder_layers))
+        self.chunk = ChunkRouter(cfg.d_model, cfg.chunk_router, cfg.compression_ratio)
+        self.concept = nn.ModuleList(Block(cfg, cfg.concept_experts, cfg.concept_k)
+                                     for _ in range(cfg.n_concept_layers))
+        self.decoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k, joint=cfg.joint_decoding)
+                                     for _ in range(cfg.n_decoder_layers))
+        self._init_weights()
+
+    def encode(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
+        x = self.embed(input_ids)
+        cos, sin = self.rope(x.shape[1], x.device, x.dtype)
+        aux = []
+        for blk in self.encoder:
+            x, a = blk(x, cos, sin, dispatch=self.dispatch)
+            aux.append(a)
+        return x, aux
+
+    def run_concepts(self, c: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
+        cos, sin = self.rope(c.shape[1], c.device, c.dtype)  # concept index as RoPE position
+        aux = []
+        for _ in range(self.cfg.concept_loops):
+            for blk in self.concept:
+                c, a = blk(c, cos, sin, valid=mask, dispatch=self.dispatch)
+                aux.append(a)
+        return c, aux
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                boundaries_override: torch.Tensor | None = None) -> ModelOutput:
+        cfg = self.cfg
+        h, moe_aux = self.encode(input_ids)  # (B, T, D)
+        p = self.chunk(h)  # (B, T)
+        if boundaries_override is not None:
+            b = boundaries_override.to(torch.bool).clone()
+            b[:, 0] = True
+        else:
+            b = boundaries(p, self.training, cfg.boundary_noise, cfg.boundary_sharpness)
+        ch = gather_concepts(h, p, b, cfg.concept_pooling)
+        c, aux_c = self.run_concepts(ch.concepts, ch.mask)  # (B, C, D)
+        z_tok, z_res = dechunk(ch, c)
+        x = h + z_res
+        cos, sin = self.rope(x.shape[1], x.device, x.dtype)
+        aux_d = []
+        for blk in self.decoder:
+            x, a = blk(x, cos, sin, z=z_tok, dispatch=self.dispatch)
+            aux_d.append(a)
+        rl = ratio_loss(p, b, cfg.compression_ratio)
+        compression = b.numel() / max(int(b.sum()), 1)
+        extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": p.mean().detach()}
+        use_ratio = cfg.chunk_router != "fixed"
+        out = self._finish(x, labels, moe_aux + aux_c + aux_d, extra,
+                           cfg.ratio_loss_weight * rl if use_ratio else None)
+        out.boundaries, out.chunks = b, ch
+        return out
+
+
+def build_model(cfg: ModelConfig) -> _LMBase:
+    """Instantiate the model a config describes (``cfg.kind``: "moe" or "conceptmoe")."""
+    return ConceptMoELM(cfg) if cfg.is_concept else MoELM(cfg)

@@ -1,0 +1,156 @@
+"""Fine-grained mixture-of-experts feed-forward layer (CONCEPTMOE.md §2b).
+
+A softmax router (fp32) picks top-k of E SwiGLU experts per token; optional shared expert(s)
+(Qwen-MoE style sigmoid gate optional); Switch load-balancing loss and router z-loss.
+
+Two dispatch paths with one entry point, ``MoE.forward(x, dispatch=...)``:
+- ``"grouped"`` (default): sort the (token, expert) pairs by expert and run one
+  ``torch.nn.functional.grouped_mm`` per projection (falls back to ``"split"`` when
+  grouped_mm is unavailable);
+- ``"split"``: the same sorted layout with a loop over experts on contiguous slices;
+- ``"loop"``: the obviously-correct reference, a loop over experts with boolean masks.
+
+Shape legend: N tokens (flattened), D d_model, E experts, K top-k, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+@dataclass
+class MoEAux:
+    """Auxiliary router terms of one MoE layer (scalars)."""
+
+    balance_loss: torch.Tensor
+    z_loss: torch.Tensor
+    expert_counts: torch.Tensor  # (E,) routed slots per expert (no grad)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    grouped_mm's CPU backward rejects expanded (stride-0) gradients such as those of ``y.sum()``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.contiguous()
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for shared experts."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts plus optional shared experts."""
+
+    def __init__(self, d: int, n_experts: int, top_k: int, hidden: int, n_shared: int = 0,
+                 shared_hidden: int = 0, shared_gate: bool = False, norm_topk_prob: bool = False) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.router = nn.Linear(d, n_experts, bias=False)
+        std = d ** -0.5
+        # Stored as (E, in, out) so grouped_mm can use them without a transpose.
+        self.w_gate = nn.Parameter(torch.randn(n_experts, d, hidden) * std)
+        self.w_up = nn.Parameter(torch.randn(n_experts, d, hidden) * std)
+        self.w_down = nn.Parameter(torch.randn(n_experts, hidden, d) * hidden ** -0.5)
+        self.shared = SwiGLU(d, n_shared * (shared_hidden or hidden)) if n_shared else None
+        self.shared_gate = nn.Linear(d, 1, bias=False) if (n_shared and shared_gate) else None
+
+    # ----- routing -----
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns router logits (N, E) fp32, probs (N, E), top-k weights (N, K), indices (N, K)."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        probs = logits.softmax(dim=-1)
+        w, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return logits, probs, w, idx
+
+    def aux_terms(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> MoEAux:
+        E = self.n_experts
+        counts = torch.bincount(idx.flatten(), minlength=E)
+        if idx.shape[0] == 0:
+            zero = logits.sum() * 0
+            return MoEAux(zero, zero, counts)
+        f = counts.float() / idx.numel()  # fraction of routed slots per expert
+        P = probs.mean(0)
+        balance = E * (f * P).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return MoEAux(balance, z_loss, counts.detach())
+
+    # ----- expert compute -----
+    def _experts_loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Reference: for each expert, the tokens that picked it (boolean mask)."""
+        y = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x[tok]
+            h = F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])
+            y.index_add_(0, tok, (h @ self.w_down[e]) * w[tok, slot, None].to(x.dtype))
+        return y
+
+    def _experts_sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+                        grouped: bool) -> torch.Tensor:
+        """Sort (token, expert) pairs by expert; one grouped matmul (or a split loop) per weight."""
+        N, K = idx.shape
+        flat = idx.flatten()  # (N*K,)
+        order = flat.argsort(stable=True)
+        tok = order // K  # token of each sorted slot
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        xs = x[tok]  # (N*K, D) grouped by expert
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            g = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_gate, offs=offs))
+            u = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_up, offs=offs))
+            out = _ContiguousGrad.apply(F.grouped_mm(F.silu(g) * u, self.w_down, offs=offs))
+        else:
+            parts = []
+            for e, xe in enumerate(xs.split(counts.tolist())):
+                if xe.shape[0]:
+                    parts.append((F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e])
+            out = torch.cat(parts) if parts else xs[:0]
+        out = out * w.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, out)
+
+    def forward(self, x: torch.Tensor, dispatch: str = "grouped") -> tuple[torch.Tensor, MoEAux]:
+        """x: (N, D) valid tokens only. Returns (N, D) and the router aux terms."""
+        logits, probs, w, idx = self.route(x)
+        aux = self.aux_terms(logits, probs, idx)
+        if x.shape[0] == 0:
+            y = x * 0
+        elif dispatch == "loop":
+            y = self._experts_loop(x, w, idx)
+        elif dispatch in ("grouped", "split"):
+            grouped = dispatch == "grouped" and _HAS_GROUPED_MM and x.dtype != torch.float64
+            y = self._experts_sorted(x, w, idx, grouped)
+        else:
+            raise ValueError(f"unknown MoE dispatch {dispatch!r}")
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(x)) * s
+            y = y + s
+        return y, aux

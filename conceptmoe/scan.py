@@ -1,0 +1,83 @@
+"""Parallel, numerically stable linear scan for the dechunk EMA (CONCEPTMOE.md §2, item 5).
+
+The dechunk module smooths concept outputs with z_j = p_j·c_j + (1 − p_j)·z_{j−1}. That is the
+first-order linear recurrence z_j = x_j + a_j·z_{j−1} with x_j = p_j·c_j and a_j = 1 − p_j.
+
+``linear_scan`` evaluates it blockwise (the "chunked scan" of state-space models):
+1. inside blocks of Q steps, z = W·x with W[j, i] = prod_{k=i+1..j} a_k, built as exp of a
+   *segment sum* of log a computed by a masked cumsum (no subtraction of large prefix sums,
+   so no cancellation);
+2. the state at each block end is carried across blocks by the same scan, recursively, on a
+   sequence Q times shorter;
+3. each position adds its block's incoming state times the decay since the block start.
+log a is clamped at log(1e-30) ≈ −69, so p = 1 (a = 0) gives weight ≈ 1e-30 instead of
+log(0) = −inf, and p = 0 gives log 1 = 0: no NaN or inf forward or backward.
+
+``ema_scan_reference`` is the sequential loop the tests and benchmark compare against.
+
+Shape legend: B batch, C concepts, D channels, Q block length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+_LOG_FLOOR = -69.0  # exp(-69) ~ 1e-30: "zero" decay without -inf
+
+
+def _segsum(log_a: torch.Tensor) -> torch.Tensor:
+    """(..., Q) -> (..., Q, Q) with out[j, i] = sum_{k=i+1..j} log_a[k] for i <= j, -inf above."""
+    Q = log_a.shape[-1]
+    x = log_a[..., :, None].expand(*log_a.shape, Q)  # (..., Q(k), Q(i)) value log_a[k]
+    strict = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=log_a.device), diagonal=-1)
+    x = x.masked_fill(~strict, 0.0)  # keep log_a[k] only where k > i
+    seg = x.cumsum(dim=-2)  # seg[j, i] = sum_{i<k<=j} log_a[k]
+    lower = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=log_a.device))
+    return seg.masked_fill(~lower, float("-inf"))
+
+
+def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """z_j = x_j + exp(log_a_j) * z_{j-1}, z_{-1} = 0. x: (B, C, D), log_a: (B, C) -> (B, C, D)."""
+    B, C, D = x.shape
+    if C <= block:
+        W = torch.exp(_segsum(log_a)).to(x.dtype)  # (B, C, C)
+        return W @ x
+    pad = (-C) % block
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+        log_a = F.pad(log_a, (0, pad))
+    nb = x.shape[1] // block
+    xb = x.view(B, nb, block, D)
+    lb = log_a.view(B, nb, block)
+    intra = torch.exp(_segsum(lb)).to(x.dtype) @ xb  # (B, nb, Q, D), zero incoming state
+    block_log = lb.sum(-1).clamp_min(_LOG_FLOOR)  # (B, nb) decay across a whole block
+    # State entering block n = scan over previous block-end states (shifted by one block).
+    ends = linear_scan(intra[:, :, -1], block_log, block)  # (B, nb, D) true state at block ends
+    incoming = F.pad(ends[:, :-1], (0, 0, 1, 0))  # (B, nb, D)
+    decay = torch.exp(lb.cumsum(-1)).to(x.dtype)  # (B, nb, Q) decay from block start to j
+    z = intra + decay[..., None] * incoming[:, :, None]
+    return z.reshape(B, nb * block, D)[:, :C]
+
+
+def ema_log_decay(p: torch.Tensor) -> torch.Tensor:
+    """log(1 - p), finite for p in [0, 1] (p = 1 maps to the floor, gradient 0 there)."""
+    pf = p.to(torch.promote_types(p.dtype, torch.float32))
+    return torch.log((1 - pf).clamp_min(1e-30)).clamp_min(_LOG_FLOOR)
+
+
+def ema_scan(p: torch.Tensor, c: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Dechunk EMA z_j = p_j c_j + (1-p_j) z_{j-1}. p: (B, C), c: (B, C, D) -> (B, C, D)."""
+    return linear_scan(p[..., None].to(c.dtype) * c, ema_log_decay(p), block)
+
+
+def ema_scan_reference(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Sequential loop over concepts: the obviously-correct reference for ``ema_scan``."""
+    z = torch.zeros_like(c[:, 0])
+    out = []
+    for j in range(c.shape[1]):
+        pj = p[:, j, None].to(c.dtype)
+        z = pj * c[:, j] + (1 - pj) * z
+        out.append(z)
+    return torch.stack(out, dim=1)
