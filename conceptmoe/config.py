@@ -140,13 +140,12 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        """Paper-style name, e.g. ``ConceptMoE-1L-top24-R2`` (layer multiplier vs extra['base_layers'])."""
+        """Paper-style name ``ConceptMoE-xL-topy-Rz``: x = concept layers x loops / baseline's."""
         if not self.is_concept:
             return f"MoE-top{self.top_k}"
         base = self.extra.get("base_concept_layers", self.n_concept_layers)
-        mult = self.n_concept_layers * self.concept_loops / base
-        layers = f"{mult:g}L" if self.concept_loops == 1 else f"1L-loop{self.concept_loops}"
-        return f"ConceptMoE-{layers}-top{self.concept_k}-R{self.compression_ratio:g}"
+        mult = round(self.n_concept_layers * self.concept_loops / base, 2)
+        return f"ConceptMoE-{mult:g}L-top{self.concept_k}-R{self.compression_ratio:g}"
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:

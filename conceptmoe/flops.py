@@ -1,0 +1,103 @@
+"""Analytic compute accounting: parameters, activated FLOPs, attention-map FLOPs, KV-cache bytes.
+
+Implements CONCEPTMOE.md §3. Activated FLOPs per token count the linear layers only
+(attention projections, joint-decoding W', router, activated routed experts, shared experts,
+chunk-router projections, LM head) at 2 FLOPs per multiply-accumulate. Concept-model layers
+count with weight ``concept_loops / R``: they run on about L/R positions. Attention-map FLOPs
+(QKᵀ and AV) are reported separately, averaged over causal positions of a sequence of length
+``seq_len``: 4·H·Dh·(n+1)/2 per position for a layer over n positions. KV-cache bytes per token
+count K and V of every layer; concept layers keep one cache per loop with about 1/R entries
+per token.
+
+``activated_params`` = all parameters minus the routed experts a token does not select
+(embeddings included, concept layers counted once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass
+class LayerCost:
+    """Per-position multiply-accumulates and parameters of one block."""
+
+    macs: float
+    params: int
+    inactive_params: int
+
+
+def _block(cfg: ModelConfig, n_experts: int, top_k: int, joint: bool) -> LayerCost:
+    d, qd, kvd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = d * qd + 2 * d * kvd + qd * d
+    joint_w = (d * qd + 2 * d * kvd) if joint else 0
+    expert = 3 * d * cfg.expert_hidden
+    shared = cfg.n_shared_experts * 3 * d * cfg.shared_size
+    gate = d if (cfg.n_shared_experts and cfg.shared_expert_gate) else 0
+    router = d * n_experts
+    macs = attn + joint_w + router + top_k * expert + shared + gate
+    norms = 2 * d + {"none": 0, "head": 2 * cfg.head_dim, "full": qd + kvd}[cfg.qk_norm]
+    params = attn + joint_w + router + n_experts * expert + shared + gate + norms
+    return LayerCost(macs, params, (n_experts - top_k) * expert)
+
+
+def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None = None,
+                dtype_bytes: int = 2) -> dict:
+    """Compute accounting of ``cfg`` at sequence length ``seq_len``.
+
+    ``compression`` overrides R (tokens per concept) with a realised value, e.g. from a forward
+    pass. Returns a JSON-ready dict; see the module docstring for the conventions.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1 (got {seq_len})")
+    if dtype_bytes < 1:
+        raise ValueError(f"dtype_bytes must be >= 1 (got {dtype_bytes})")
+    d, V = cfg.d_model, cfg.vocab_size
+    R = 1.0 if not cfg.is_concept else float(compression or cfg.compression_ratio)
+    if R < 1:
+        raise ValueError(f"compression must be >= 1 (got {R})")
+    token_layers: list[LayerCost] = []
+    if cfg.is_concept:
+        token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, False)] * cfg.n_encoder_layers
+        token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, cfg.joint_decoding)] * cfg.n_decoder_layers
+        concept_layers = [_block(cfg, cfg.concept_experts, cfg.concept_k, False)] * cfg.n_concept_layers
+        loops = cfg.concept_loops
+        chunk_macs = {"cosine": 2 * d * d, "linear": d, "fixed": 0}[cfg.chunk_router]
+        chunk_params = {"cosine": 2 * d * d, "linear": d + 1, "fixed": 0}[cfg.chunk_router]
+    else:
+        concept_layers, loops, chunk_macs, chunk_params = [], 1, 0, 0
+        token_layers = [_block(cfg, cfg.n_experts, cfg.top_k, False)] * cfg.n_layers
+    head = d * V
+    embed_params = V * d + (0 if cfg.tie_embeddings else V * d) + d  # + final norm
+    token_macs = sum(c.macs for c in token_layers)
+    concept_macs = sum(c.macs for c in concept_layers) * loops / R
+    macs = token_macs + concept_macs + chunk_macs + head
+    layers = token_layers + concept_layers
+    total = sum(c.params for c in layers) + chunk_params + embed_params
+    inactive = sum(c.inactive_params for c in layers)
+
+    hd_h = cfg.n_heads * cfg.head_dim
+    n_tok, n_con = seq_len, seq_len / R
+    per_pos = lambda n: 4 * hd_h * (n + 1) / 2  # noqa: E731  QKᵀ + AV, causal average
+    attn_map = len(token_layers) * per_pos(n_tok) + len(concept_layers) * loops * per_pos(n_con) / R
+    kv_layer = 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    kv = kv_layer * (len(token_layers) + len(concept_layers) * loops / R)
+    return {
+        "name": cfg.name,
+        "kind": cfg.kind,
+        "compression": R,
+        "seq_len": seq_len,
+        "total_params": int(total),
+        "activated_params": int(total - inactive),
+        "activated_flops_per_token": 2 * macs,
+        "attention_map_flops_per_token": attn_map,
+        "kv_cache_bytes_per_token": kv,
+        "breakdown_flops_per_token": {
+            "token_layers": 2 * token_macs,
+            "concept_layers": 2 * concept_macs,
+            "chunk_router": 2 * chunk_macs,
+            "lm_head": 2 * head,
+        },
+    }

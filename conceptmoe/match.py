@@ -1,0 +1,108 @@
+"""Compute-matching solver: the ConceptMoE that spends what a MoE baseline spends (CONCEPTMOE.md §3).
+
+Given a baseline MoE config, a compression ratio R and a reinvestment strategy, search a small
+integer grid for the ConceptMoE whose activated FLOPs per token and total parameters both match
+the baseline's (error = max(|flops_ratio − 1|, |params_ratio − 1|)):
+
+- ``topk``: more activated experts in the concept model (``concept_top_k``); the concept
+  layers may drop a few experts (``concept_n_experts``) to pay for the chunk and joint-decoding
+  parameters.
+- ``layers``: more concept layers (x·L), each with fewer experts so total parameters stay put.
+- ``loop``: run the concept layers ``concept_loops`` times (more FLOPs, no new parameters).
+
+The token-rate layers (encoder, decoder) may move their top-k by up to 2 to fine-tune FLOPs
+when a concept-model expert step is too coarse. Candidates are ranked by error bucket (within
+1%, 2%, 3%), then by how far the token and then the concept top-k move from the baseline's, then by the
+loop count, then by error. The encoder/decoder split comes from the baseline
+config's ``n_encoder_layers`` / ``n_decoder_layers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from .config import ModelConfig
+from .errors import UserError
+from .flops import count_flops
+
+STRATEGIES = ("topk", "layers", "loop")
+TOLERANCE = 0.03  # the contract: both ratios within 3% of 1
+PICK_TOL = 0.01
+
+
+@dataclass
+class MatchResult:
+    config: ModelConfig
+    name: str
+    flops_ratio: float
+    params_ratio: float
+    baseline: dict
+    matched: dict
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "strategy": self.config.extra.get("strategy"),
+                "flops_ratio": self.flops_ratio, "params_ratio": self.params_ratio,
+                "config": self.config.to_dict(), "baseline_flops": self.baseline, "flops": self.matched}
+
+
+def _candidates(base: ModelConfig, strategy: str) -> Iterator[dict]:
+    E, k, Lc = base.n_experts, base.top_k, base.n_concept_layers - base.n_encoder_layers - base.n_decoder_layers
+    token_k = range(max(1, k - 2), min(E, k + 2) + 1)  # fine-tunes FLOPs at token rate
+    if strategy == "topk":
+        for ce in range(max(k, E - max(4, E // 8)), E + 1):
+            for ck in range(1, ce + 1):
+                for tk in token_k:
+                    yield {"concept_n_experts": ce, "concept_top_k": ck, "top_k": tk}
+    elif strategy == "layers":
+        layer_counts = sorted({round(Lc * m) for m in (1.25, 1.5, 1.75, 2, 2.25, 2.5, 3, 4)} - {Lc})
+        for lc in layer_counts:
+            for ce in range(1, E + 1):
+                for ck in range(1, ce + 1):
+                    yield {"n_layers": base.n_encoder_layers + base.n_decoder_layers + lc,
+                           "concept_n_experts": ce, "concept_top_k": ck}
+    elif strategy == "loop":
+        for loops in range(2, 9):
+            for ce in range(max(k, E - max(4, E // 8)), E + 1):
+                for ck in range(1, ce + 1):
+                    for tk in token_k:
+                        yield {"concept_loops": loops, "concept_n_experts": ce,
+                               "concept_top_k": ck, "top_k": tk}
+    else:
+        raise UserError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+
+
+def match_config(baseline: ModelConfig, ratio: float, strategy: str = "topk",
+                 seq_len: int = 2048, tolerance: float = TOLERANCE) -> MatchResult:
+    """The compute- and parameter-matched ConceptMoE for a MoE ``baseline`` at ratio R."""
+    if strategy not in STRATEGIES:
+        raise UserError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if not ratio > 1:
+        raise UserError(f"--ratio must be > 1 for ConceptMoE (got {ratio})")
+    base = baseline.replace(kind="moe") if baseline.is_concept else baseline
+    if base.n_layers - base.n_encoder_layers - base.n_decoder_layers < 1:
+        raise UserError("baseline has too few layers to split into encoder, concept model and decoder")
+    ref = count_flops(base, seq_len)
+    start = base.to_dict()
+    lc_base = base.n_layers - base.n_encoder_layers - base.n_decoder_layers
+    start.update(kind="conceptmoe", compression_ratio=float(ratio), concept_loops=1,
+                 concept_n_experts=None, concept_top_k=None,
+                 extra={**base.extra, "base_concept_layers": lc_base, "strategy": strategy})
+    best = None
+    for over in _candidates(base, strategy):
+        cfg = ModelConfig.from_dict({**start, **over})
+        f = count_flops(cfg, seq_len)
+        fr = f["activated_flops_per_token"] / ref["activated_flops_per_token"]
+        pr = f["total_params"] / ref["total_params"]
+        err = max(abs(fr - 1), abs(pr - 1))
+        # Prefer: error bucket (1%, 2%, 3%, worse), then the paper's knobs closest to baseline.
+        bucket = min(int(err / PICK_TOL - 1e-9), 3)
+        key = (bucket, abs(cfg.top_k - base.top_k), abs(cfg.concept_k - base.top_k),
+               cfg.concept_loops, err)
+        if best is None or key < best[0]:
+            best = (key, cfg, f, fr, pr)
+    _, cfg, f, fr, pr = best
+    if max(abs(fr - 1), abs(pr - 1)) > tolerance:
+        raise UserError(f"no {strategy} config at R={ratio:g} matches the baseline within "
+                        f"{tolerance:.0%} (best: flops x{fr:.3f}, params x{pr:.3f})")
+    return MatchResult(cfg, cfg.name, fr, pr, ref, f)
