@@ -69,6 +69,21 @@ class ChunkRouter(nn.Module):
             p = fixed_boundaries(pos, self.ratio).float().expand(B, T)
         return torch.where(pos == 0, torch.ones_like(p), p)
 
+    def step(self, h: torch.Tensor, last_key: torch.Tensor | None,
+             pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row: h (B, D), cached W_k h_{t-1} (B, D), positions (B,) -> p (B,), new key."""
+        key = None
+        if self.kind == "cosine":
+            q, key = self.wq(h), self.wk(h)
+            if last_key is None:
+                last_key = key  # only reached at position 0, where p is overwritten below
+            p = ((1 - F.cosine_similarity(q.float(), last_key.float(), dim=-1)) / 2).clamp(0, 1)
+        elif self.kind == "linear":
+            p = torch.sigmoid(self.score(h).squeeze(-1).float())
+        else:
+            p = fixed_boundaries(pos, self.ratio).float()
+        return torch.where(pos == 0, torch.ones_like(p), p), key
+
 
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
     """True where floor(t / R) changes: every R-th token (fractional R allowed), t = 0 included."""

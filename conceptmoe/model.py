@@ -108,6 +108,16 @@ class _LMBase(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                 attention_mask: torch.Tensor | None = None, use_cache: bool = True,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``generate.py``."""
+        from .generate import generate  # generate.py imports this module
+
+        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                        attention_mask, use_cache, generator)
+
 
 class MoELM(_LMBase):
     """Baseline: n_layers MoE blocks at token rate."""

@@ -1,0 +1,190 @@
+"""Cached inference: prefill and one-token decode steps for MoE and ConceptMoE (CONCEPTMOE.md §4).
+
+``prefill(model, ids, lengths)`` runs the forward pass over a batch of *right-padded* prompts
+(row b holds its ``lengths[b]`` real tokens at positions 0..lengths[b]-1) and keeps an
+``InferenceState`` (``cache.py``): token K/V for the token-rate layers, concept K/V for the
+concept model (one cache per concept layer and loop), the chunk module's last key W_k ĥ_{t-1},
+the pooling sum for mean pooling, and the dechunk EMA state z. Because attention is causal and
+padding sits after each row's tokens, padding never changes a real token's output; MoE layers
+skip padding and boundaries are never taken on padding.
+
+``decode_step(model, state, tokens)`` feeds one token per row: encoder step -> p_t against the
+cached key -> rows with p_t >= 0.5 step the concept model once (ragged concept caches: the
+others do not touch theirs) and update z; the others carry z -> decoder step with joint
+decoding -> logits. Boundaries are always the deterministic p >= 0.5 (inference rule).
+
+The full forward pass of ``model.py`` is the reference: tests check every cached step against it.
+
+Shape legend: B batch, T tokens, C concepts, D d_model, V vocab, n rows stepping the concept model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import rope_tables
+from .cache import ChunkState, DechunkState, InferenceState, KVCache
+from .chunking import dechunk, gather_concepts
+from .model import Block, ConceptMoELM
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (B, V) next-token logits of each row
+    boundary: torch.Tensor | None = None  # (B,) bool: the fed token started a concept (ConceptMoE)
+
+
+def _rope(model, pos: torch.Tensor, dtype: torch.dtype):
+    """cos/sin for per-row positions pos (B, T) -> (B, T, Dh)."""
+    return rope_tables(pos, model.cfg.head_dim, model.cfg.rope_theta, dtype)
+
+
+def _block_prefill(blk: Block, x, cos, sin, cache: KVCache, layer: int, valid, dispatch: str,
+                   z=None) -> torch.Tensor:
+    """Block.forward that also stores K/V; ``valid`` (B, T) skips MoE work on padding."""
+    q, k, v = blk.attn.project(blk.attn_norm(x), cos, sin, z)
+    cache.put_prefix(layer, k, v)
+    x = x + blk.attn.attend(q, k, v)
+    return blk.ffn(x, valid, dispatch)[0]
+
+
+def _block_step(blk: Block, x, cos, sin, cache: KVCache, layer: int, dispatch: str,
+                rows: torch.Tensor | None = None, z=None) -> torch.Tensor:
+    """One position per row: x (n, 1, D) for ``rows`` (None: all rows) -> (n, 1, D)."""
+    q, k, v = blk.attn.project(blk.attn_norm(x), cos, sin, z)
+    cache.put_step(layer, k, v, rows)
+    x = x + cache.attend(layer, blk.attn, q, rows)
+    return blk.ffn(x, None, dispatch)[0]
+
+
+def _new_cache(model, n_layers: int, batch: int, capacity: int, ref: torch.Tensor) -> KVCache:
+    cfg = model.cfg
+    return KVCache.empty(n_layers, batch, cfg.n_kv_heads, cfg.head_dim, capacity, ref.dtype, ref.device)
+
+
+def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) at each row's last real position -> (B, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device), lengths - 1]
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
+            extra_capacity: int = 0) -> tuple[StepOutput, InferenceState]:
+    """Forward over right-padded prompts (B, T); returns last-token logits and the state.
+
+    ``extra_capacity``: token entries to preallocate for the tokens still to come.
+    """
+    B, T = input_ids.shape
+    dev = input_ids.device
+    lengths = torch.full((B,), T, device=dev) if lengths is None else lengths.to(dev)
+    if int(lengths.min()) < 1 or int(lengths.max()) > T:
+        raise ValueError("every row needs between 1 and T real tokens")
+    valid = torch.arange(T, device=dev)[None] < lengths[:, None]  # (B, T)
+    x = model.embed(input_ids)  # (B, T, D)
+    cos, sin = model.rope(T, dev, x.dtype)
+    if not isinstance(model, ConceptMoELM):
+        cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x)
+        for i, blk in enumerate(model.layers):
+            x = _block_prefill(blk, x, cos, sin, cache, i, valid, model.dispatch)
+        cache.lengths = lengths.tolist()
+        logits = model.lm_head(model.norm(_last(x, lengths)))
+        return StepOutput(logits), InferenceState(tokens=cache)
+    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity)
+
+
+def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int):
+    cfg, (B, T, D) = model.cfg, x.shape
+    n_enc, n_con = len(model.encoder), len(model.concept)
+    tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
+    for i, blk in enumerate(model.encoder):
+        x = _block_prefill(blk, x, cos, sin, tokens, i, valid, model.dispatch)
+    h = x  # (B, T, D) encoder states ĥ
+    p = model.chunk(h)  # (B, T)
+    b = (p >= 0.5) & valid
+    b[:, 0] = True
+    ch = gather_concepts(h, p, b, cfg.concept_pooling)
+    C = ch.concepts.shape[1]
+    concepts = _new_cache(model, n_con * cfg.concept_loops, B, C + 1, x)
+    c = ch.concepts  # (B, C, D)
+    ccos, csin = model.rope(C, x.device, x.dtype)  # concept index as RoPE position
+    for loop in range(cfg.concept_loops):
+        for i, blk in enumerate(model.concept):
+            c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, ch.mask, model.dispatch)
+    concepts.lengths = ch.mask.sum(1).tolist()
+    z_tok, z_res = dechunk(ch, c)  # (B, T, D) each
+    x = h + z_res
+    for i, blk in enumerate(model.decoder):
+        x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, valid, model.dispatch, z=z_tok)
+    tokens.lengths = lengths.tolist()
+    chunk = ChunkState()
+    if cfg.chunk_router == "cosine":
+        chunk.last_key = model.chunk.wk(_last(h, lengths))
+    if cfg.concept_pooling == "mean":
+        # Tokens after a row's last boundary wait in the pool for the concept that closes them.
+        tail = valid & (torch.arange(T, device=x.device)[None] > _last_boundary(b)[:, None])
+        chunk.pool_sum = (h * tail[..., None]).sum(1)
+        chunk.pool_count = tail.sum(1)
+    state = InferenceState(tokens=tokens, concepts=concepts, chunk=chunk,
+                           dechunk=DechunkState(_last(z_tok, lengths)),
+                           boundaries=[row.nonzero().flatten().tolist() for row in b])
+    logits = model.lm_head(model.norm(_last(x, lengths)))
+    return StepOutput(logits, b), state
+
+
+def _last_boundary(b: torch.Tensor) -> torch.Tensor:
+    """Position of each row's last boundary: (B,)."""
+    T = b.shape[1]
+    return (torch.arange(T, device=b.device)[None] * b).amax(1)
+
+
+@torch.no_grad()
+def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutput:
+    """Feed one token per row (B,) and return the next-token logits (B, V)."""
+    dev = tokens.device
+    pos = torch.tensor(state.tokens.lengths, device=dev)  # (B,) position of the fed token
+    x = model.embed(tokens[:, None])  # (B, 1, D)
+    cos, sin = _rope(model, pos[:, None], x.dtype)  # (B, 1, Dh)
+    if not isinstance(model, ConceptMoELM):
+        for i, blk in enumerate(model.layers):
+            x = _block_step(blk, x, cos, sin, state.tokens, i, model.dispatch)
+        state.tokens.advance()
+        return StepOutput(model.lm_head(model.norm(x[:, 0])))
+    cfg, n_enc, n_con = model.cfg, len(model.encoder), len(model.concept)
+    for i, blk in enumerate(model.encoder):
+        x = _block_step(blk, x, cos, sin, state.tokens, i, model.dispatch)
+    h = x[:, 0]  # (B, D)
+    ck, z = state.chunk, state.dechunk.z
+    p, key = model.chunk.step(h, ck.last_key, pos)
+    if key is not None:
+        ck.last_key = key
+    b = p >= 0.5  # (B,)
+    rows = b.nonzero().flatten()  # (n,) rows whose token starts a concept
+    if ck.pool_sum is not None:
+        pooled = (ck.pool_sum + h) / (ck.pool_count + 1)[:, None].to(h.dtype)
+    if rows.numel():
+        c = (pooled if ck.pool_sum is not None else h)[rows][:, None]  # (n, 1, D)
+        cpos = torch.tensor([state.concepts.lengths[r] for r in rows.tolist()], device=dev)
+        ccos, csin = _rope(model, cpos[:, None], x.dtype)
+        for loop in range(cfg.concept_loops):
+            for i, blk in enumerate(model.concept):
+                c = _block_step(blk, c, ccos, csin, state.concepts, loop * n_con + i,
+                                model.dispatch, rows=rows)
+        state.concepts.advance(rows)
+        pr = p[rows, None].to(z.dtype)
+        z = z.clone()
+        z[rows] = pr * c[:, 0] + (1 - pr) * z[rows]  # EMA update of the rows with a boundary
+        state.dechunk.z = z
+        for r in rows.tolist():
+            state.boundaries[r].append(int(pos[r]))
+    if ck.pool_sum is not None:
+        keep = (~b)[:, None].to(h.dtype)
+        ck.pool_sum = (ck.pool_sum + h) * keep
+        ck.pool_count = (ck.pool_count + 1) * (~b)
+    x = (h + z)[:, None]  # STE(P) is exactly 1 in the forward pass
+    zq = z[:, None]
+    for i, blk in enumerate(model.decoder):
+        x = _block_step(blk, x, cos, sin, state.tokens, n_enc + i, model.dispatch, z=zq)
+    state.tokens.advance()
+    return StepOutput(model.lm_head(model.norm(x[:, 0])), b)
