@@ -1,0 +1,110 @@
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from conceptmoe import ModelConfig, build_model
+from conceptmoe.cli import main
+from conceptmoe.flops import count_flops
+from conceptmoe.match import match_config
+
+
+@pytest.mark.parametrize("kw", [
+    {"kind": "moe"},
+    {"kind": "moe", "n_shared_experts": 0, "qk_norm": "full"},
+    {},
+    {"concept_loops": 2, "concept_top_k": 5, "shared_expert_gate": True},
+    {"chunk_router": "linear", "joint_decoding": False},
+    {"chunk_router": "fixed", "compression_ratio": 3.0},
+])
+def test_analytic_flops_match_flop_counter(kw):
+    """Linear-layer FLOPs of a real forward pass equal the analytic count (attention map removed)."""
+    m = build_model(ModelConfig.from_preset("tiny", **kw)).eval()
+    m.dispatch = "loop"  # plain matmuls: FlopCounterMode has no formula for grouped_mm
+    ids = torch.randint(0, 256, (1, 96))
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        out = m(ids)
+    counts = fc.get_flop_counts()["Global"]
+    # Remove the attention map (SDPA) and the dechunk scan's block matmuls (bmm), which are
+    # not linear layers; everything left is a linear-layer matmul.
+    linear = sum(v for op, v in counts.items() if "scaled_dot" not in str(op) and "bmm" not in str(op))
+    comp = out.aux["compression"] if m.cfg.is_concept else None
+    analytic = count_flops(m.cfg, 96, comp)["activated_flops_per_token"] * 96
+    assert linear == pytest.approx(analytic, rel=0.02)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("kind", ["moe", "conceptmoe"])
+def test_param_count_matches_model(preset, kind):
+    cfg = ModelConfig.from_preset(preset, kind=kind, concept_loops=2, concept_n_experts=5, concept_top_k=2)
+    assert count_flops(cfg)["total_params"] == build_model(cfg).num_params()
+
+
+def test_concept_savings_scale_with_R():
+    moe = count_flops(ModelConfig.from_preset("paper", kind="moe"), 8192)
+    c2 = count_flops(ModelConfig.from_preset("paper", compression_ratio=2.0), 8192)
+    c4 = count_flops(ModelConfig.from_preset("paper", compression_ratio=4.0), 8192)
+    assert c4["activated_flops_per_token"] < c2["activated_flops_per_token"] < moe["activated_flops_per_token"]
+    # Concept layers' attention map shrinks ~R²: the per-token attention cost of the 23 concept
+    # layers at R=2 is ~1/4 of the same layers in the baseline.
+    per_layer = moe["attention_map_flops_per_token"] / 27
+    concept_part = c2["attention_map_flops_per_token"] - 4 * per_layer
+    assert concept_part / (23 * per_layer) == pytest.approx(0.25, rel=0.01)
+    kv_expected = (4 + 23 / 2) / 27
+    assert c2["kv_cache_bytes_per_token"] / moe["kv_cache_bytes_per_token"] == pytest.approx(kv_expected)
+
+
+@pytest.mark.parametrize("preset", ["small", "paper"])
+@pytest.mark.parametrize("ratio", [1.5, 2.0])
+@pytest.mark.parametrize("strategy", ["topk", "layers", "loop"])
+def test_match_within_tolerance(preset, ratio, strategy):
+    base = ModelConfig.from_preset(preset, kind="moe")
+    res = match_config(base, ratio, strategy)
+    assert abs(res.flops_ratio - 1) <= 0.03 and abs(res.params_ratio - 1) <= 0.03
+    cfg = res.config
+    assert cfg.is_concept and cfg.compression_ratio == ratio
+    # The ratios are recomputed, not copied.
+    f, b = count_flops(cfg), count_flops(base)
+    assert res.flops_ratio == pytest.approx(f["activated_flops_per_token"] / b["activated_flops_per_token"])
+    assert res.name.startswith("ConceptMoE-") and res.name.endswith(f"-R{ratio:g}")
+    if strategy == "topk":
+        assert cfg.concept_k > base.top_k and cfg.n_layers == base.n_layers
+    elif strategy == "layers":
+        assert cfg.n_layers > base.n_layers and cfg.concept_experts < base.n_experts
+    else:
+        assert cfg.concept_loops > 1 and cfg.n_layers == base.n_layers
+
+
+def test_cli_flops_json(capsys):
+    assert main(["flops", "--preset", "small", "--seq-len", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("total_params", "activated_params", "activated_flops_per_token",
+                "attention_map_flops_per_token", "kv_cache_bytes_per_token"):
+        assert out[key] > 0
+    assert out["seq_len"] == 1024
+    assert main(["flops", "--preset", "small", "--set", "kind=moe", "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)
+    assert moe["kind"] == "moe" and moe["attention_map_flops_per_token"] > out["attention_map_flops_per_token"]
+
+
+def test_cli_match_json(capsys):
+    assert main(["match", "--baseline", "small", "--ratio", "2", "--strategy", "loop", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"config", "name", "flops_ratio", "params_ratio"} <= set(out)
+    assert ModelConfig.from_dict(out["config"]).concept_loops > 1
+    assert abs(out["flops_ratio"] - 1) <= 0.03
+
+
+@pytest.mark.parametrize("argv", [
+    ["flops", "--preset", "nope"],
+    ["flops", "--set", "top_k=99"],
+    ["flops", "--set", "bogus=1"],
+    ["flops", "--seq-len", "0"],
+    ["match", "--ratio", "1"],
+    ["match", "--baseline", "tiny", "--ratio", "1.5", "--strategy", "loop"],
+])
+def test_cli_bad_input_one_line_error(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
