@@ -38,27 +38,37 @@ def _segsum(log_a: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill(~lower, float("-inf"))
 
 
-def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """z_j = x_j + exp(log_a_j) * z_{j-1}, z_{-1} = 0. x: (B, C, D), log_a: (B, C) -> (B, C, D)."""
+def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """z_j = s_j x_j + exp(log_a_j) z_{j-1}, z_{-1} = 0 (s = ``scale``, default 1).
+
+    x: (B, C, D), log_a and scale: (B, C) -> (B, C, D). The scale is folded into the block
+    matrices so the (B, C, D) input is never rescaled elementwise.
+    """
     B, C, D = x.shape
     if C <= block:
         W = torch.exp(_segsum(log_a)).to(x.dtype)  # (B, C, C)
+        if scale is not None:
+            W = W * scale[:, None, :].to(x.dtype)
         return W @ x
     pad = (-C) % block
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
         log_a = F.pad(log_a, (0, pad))
+        scale = F.pad(scale, (0, pad)) if scale is not None else None
     nb = x.shape[1] // block
-    xb = x.view(B, nb, block, D)
+    xb = x.view(B * nb, block, D)
     lb = log_a.view(B, nb, block)
-    intra = torch.exp(_segsum(lb)).to(x.dtype) @ xb  # (B, nb, Q, D), zero incoming state
+    W = torch.exp(_segsum(lb)).to(x.dtype).view(B * nb, block, block)  # W[j, i] = a_{i+1..j}
+    if scale is not None:
+        W = W * scale.reshape(B * nb, 1, block).to(x.dtype)
+    ends = (W[:, -1:] @ xb).view(B, nb, D)  # block-end states with zero incoming state
     block_log = lb.sum(-1).clamp_min(_LOG_FLOOR)  # (B, nb) decay across a whole block
-    # State entering block n = scan over previous block-end states (shifted by one block).
-    ends = linear_scan(intra[:, :, -1], block_log, block)  # (B, nb, D) true state at block ends
-    incoming = F.pad(ends[:, :-1], (0, 0, 1, 0))  # (B, nb, D)
-    decay = torch.exp(lb.cumsum(-1)).to(x.dtype)  # (B, nb, Q) decay from block start to j
-    z = intra + decay[..., None] * incoming[:, :, None]
-    return z.reshape(B, nb * block, D)[:, :C]
+    ends = linear_scan(ends, block_log, block)  # true states at block ends (recursive)
+    incoming = F.pad(ends[:, :-1], (0, 0, 1, 0)).reshape(B * nb, 1, D)
+    decay = torch.exp(lb.cumsum(-1)).to(x.dtype).view(B * nb, block, 1)  # block start -> j
+    z = (W @ xb).baddbmm_(decay, incoming)  # (B*nb, Q, D): intra-block + carried state
+    return z.view(B, nb * block, D)[:, :C]
 
 
 def ema_log_decay(p: torch.Tensor) -> torch.Tensor:
@@ -69,7 +79,7 @@ def ema_log_decay(p: torch.Tensor) -> torch.Tensor:
 
 def ema_scan(p: torch.Tensor, c: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Dechunk EMA z_j = p_j c_j + (1-p_j) z_{j-1}. p: (B, C), c: (B, C, D) -> (B, C, D)."""
-    return linear_scan(p[..., None].to(c.dtype) * c, ema_log_decay(p), block)
+    return linear_scan(c, ema_log_decay(p), block, scale=p)
 
 
 def ema_scan_reference(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
