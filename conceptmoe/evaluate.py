@@ -1,0 +1,85 @@
+"""Validation metrics: loss, bits per byte and realized compression (CONCEPTMOE.md §5).
+
+- ``evaluate_tokens``: the model over a token stream in windows of ``seq_len`` that overlap by
+  one token, so every token but the very first is predicted exactly once.
+  ``val_loss`` = mean next-token cross-entropy (nats); ``val_bpb`` = summed NLL in bits divided
+  by the UTF-8 bytes of the predicted tokens (exact for a byte-level BPE, see tokenizer.py);
+  ``compression`` = tokens per concept over the evaluated windows (1.0 for a plain MoE);
+  ``tokens`` = predicted tokens.
+- ``evaluate(run_dir, data=None)``: a trained run on its own held-out split, or on all the text
+  under ``data``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import load_run
+from .data import DOC_SEP, load_corpus, read_documents
+from .errors import UserError
+from .tokenizer import byte_lengths, encode_documents
+
+
+def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """(start, end) windows of at most seq_len tokens, consecutive ones sharing one token."""
+    out, start = [], 0
+    while start < n_tokens - 1:
+        end = min(start + seq_len, n_tokens)
+        out.append((start, end))
+        start = end - 1
+    return out
+
+
+@torch.no_grad()
+def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarray, seq_len: int,
+                    batch_size: int = 8, max_tokens: int | None = None) -> dict[str, Any]:
+    """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode)."""
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise UserError("evaluation text is too short: it needs at least two tokens")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    nll, n_pred, n_bytes, n_tok, n_concepts = 0.0, 0, 0, 0, 0
+    spans = windows(len(ids), seq_len)
+    full = [s for s in spans if s[1] - s[0] == seq_len]
+    groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+    groups += [[s] for s in spans if s[1] - s[0] != seq_len]  # the short tail runs alone
+    for group in groups:
+        x = torch.from_numpy(np.stack([ids[a:b] for a, b in group]).astype(np.int64)).to(device)
+        out = model(x)
+        logits = out.logits[:, :-1].float()  # (B, T-1, V): position t predicts t+1
+        target = x[:, 1:]
+        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                               reduction="sum").item()
+        n_pred += target.numel()
+        n_bytes += int(byte_len[target.cpu().numpy()].sum())
+        n_tok += x.numel()
+        n_concepts += int(out.boundaries.sum()) if out.boundaries is not None else x.numel()
+    model.train(was_training)
+    return {"val_loss": nll / n_pred, "val_bpb": nll / math.log(2) / max(n_bytes, 1),
+            "compression": n_tok / max(n_concepts, 1), "tokens": n_pred}
+
+
+def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = "auto",
+             batch_size: int | None = None, max_tokens: int | None = None) -> dict[str, Any]:
+    """Evaluate a trained run: on its held-out split, or on all the text under ``data``."""
+    model, cfg, tok, run_cfg = load_run(run_dir, device)
+    train_cfg = run_cfg.get("train", {})
+    if data is None:
+        texts = [d.text for d in load_corpus(train_cfg.get("data")).val]
+    else:
+        texts = [d.text for d in read_documents(data)]
+    ids = encode_documents(tok, texts, DOC_SEP)
+    if int(ids.max(initial=0)) >= cfg.vocab_size:
+        raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
+    seq_len = int(train_cfg.get("seq_len", 256))
+    bs = batch_size or int(train_cfg.get("batch_size", 8))
+    return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len, bs, max_tokens)

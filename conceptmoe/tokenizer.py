@@ -1,0 +1,81 @@
+"""Byte-level BPE tokenizer, trained locally with Hugging Face ``tokenizers``.
+
+Supports the training pipeline of CONCEPTMOE.md §5: both models of a comparison share one
+tokenizer, so their bits-per-byte figures are comparable.
+
+Byte-level means every UTF-8 string encodes (no unknown token) and decodes back exactly. Each
+vocabulary entry is a string over the 256-symbol byte alphabet, one symbol per byte, so
+``byte_lengths`` gives the exact number of UTF-8 bytes every token stands for; bits per byte is
+then the summed negative log-likelihood in bits over the summed byte lengths of the predicted
+tokens. No special tokens: documents are separated by plain text (``data.DOC_SEP``), which keeps
+even a 256-entry vocabulary (pure bytes, the ``tiny`` preset) valid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .errors import UserError
+
+BYTE_ALPHABET = 256
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with at most ``vocab_size`` entries (>= 256) on ``texts``."""
+    if vocab_size < BYTE_ALPHABET:
+        raise UserError(f"vocab_size {vocab_size} is below the {BYTE_ALPHABET} byte symbols a byte-level BPE needs")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
+    """Write ``tokenizer.json`` atomically (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tok.save(str(tmp))
+    tmp.replace(path)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"tokenizer {path} not found")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise UserError(f"tokenizer {path} is unreadable ({str(e).splitlines()[0]})") from None
+
+
+def encode(tok: Tokenizer, text: str) -> np.ndarray:
+    """Token ids of one text as int32."""
+    return np.asarray(tok.encode(text).ids, dtype=np.int32)
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], sep: str) -> np.ndarray:
+    """Token ids of ``sep.join(texts)``, tokenizing documents in parallel (``sep`` kept apart)."""
+    sep_ids = tok.encode(sep).ids if sep else []
+    parts: list[int] = []
+    for i, enc in enumerate(tok.encode_batch(texts)):
+        if i:
+            parts.extend(sep_ids)
+        parts.extend(enc.ids)
+    return np.asarray(parts, dtype=np.int32)
+
+
+def byte_lengths(tok: Tokenizer, size: int | None = None) -> np.ndarray:
+    """(size,) int64: UTF-8 bytes each token id stands for (0 for ids the tokenizer lacks)."""
+    n = size or tok.get_vocab_size()
+    out = np.zeros(n, dtype=np.int64)
+    for piece, i in tok.get_vocab().items():
+        if i < n:
+            out[i] = len(piece)  # one byte-alphabet symbol per byte
+    return out
