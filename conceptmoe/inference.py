@@ -47,7 +47,12 @@ def _block_prefill(blk: Block, x, cos, sin, cache: KVCache, layer: int, valid, d
     q, k, v = blk.attn.project(blk.attn_norm(x), cos, sin, z)
     cache.put_prefix(layer, k, v)
     x = x + blk.attn.attend(q, k, v)
-    return blk.ffn(x, valid, dispatch)[0]
+    return blk.ffn(x, _or_none(valid), dispatch)[0]
+
+
+def _or_none(valid: torch.Tensor | None) -> torch.Tensor | None:
+    """None when nothing is padding: the MoE then skips the gather/scatter of valid positions."""
+    return None if valid is None or bool(valid.all()) else valid
 
 
 def _block_step(blk: Block, x, cos, sin, cache: KVCache, layer: int, dispatch: str,

@@ -1,0 +1,193 @@
+"""Our MoE block and MoE model against the Hugging Face ``transformers`` implementations.
+
+Checks that ``moe.MoE`` / ``model.MoELM`` (CONCEPTMOE.md §2b) represent public MoE blocks
+exactly and are at least as fast. Three architectures, each a small random config built
+locally (no downloads), with our weights copied into the Hugging Face model:
+
+- ``olmoe``: OLMoE — QK-norm over the full projection (``qk_norm="full"``), no shared
+  expert, no top-k renormalisation;
+- ``qwen2_moe``: Qwen2-MoE — one shared expert behind a sigmoid gate (``shared_expert_gate``);
+- ``qwen3_moe``: Qwen3-MoE — per-head QK-norm (``qk_norm="head"``), ``norm_topk_prob``.
+
+``compare(arch, ...)`` returns, for the MoE block alone and for the whole model: the largest
+absolute output difference, and median forward and forward+backward times of both, with
+``hf / ours`` time ratios (> 1: ours is faster). Hugging Face runs with its default experts
+implementation (``grouped_mm`` when it can dispatch, else its eager loop over experts) and
+SDPA attention; ``hf_experts="eager"`` picks the loop. Models are compared in eval mode
+(no dropout anywhere) in fp32.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import UserError
+from .model import build_model
+
+ARCHS = ("olmoe", "qwen2_moe", "qwen3_moe")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("bench moe needs Hugging Face transformers: pip install -e '.[hf]'") from None
+    return transformers
+
+
+def our_config(arch: str, preset: str = "small", n_layers: int | None = None) -> ModelConfig:
+    """Our MoE config in the style of ``arch`` (preset sizes, no tied embeddings)."""
+    if arch not in ARCHS:
+        raise UserError(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
+    style = {"olmoe": dict(qk_norm="full", n_shared_experts=0, norm_topk_prob=False),
+             "qwen2_moe": dict(qk_norm="none", n_shared_experts=1, shared_expert_gate=True,
+                               norm_topk_prob=False),
+             "qwen3_moe": dict(qk_norm="head", n_shared_experts=0, norm_topk_prob=True)}[arch]
+    over = dict(kind="moe", tie_embeddings=False, **style)
+    if n_layers:
+        over["n_layers"] = n_layers
+    return ModelConfig.from_preset(preset, **over)
+
+
+def hf_model(cfg: ModelConfig, arch: str, experts: str | None = None):
+    """The Hugging Face causal LM with the same shapes as ``cfg`` (random weights)."""
+    tr = _transformers()
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+                  num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                  norm_topk_prob=cfg.norm_topk_prob, rms_norm_eps=cfg.norm_eps,
+                  max_position_embeddings=32768, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "olmoe":
+        hc = tr.OlmoeConfig(intermediate_size=cfg.expert_hidden, **common)
+        cls = tr.OlmoeForCausalLM
+    elif arch == "qwen2_moe":
+        hc = tr.Qwen2MoeConfig(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.shared_size,
+                               shared_expert_intermediate_size=cfg.n_shared_experts * cfg.shared_size,
+                               qkv_bias=False, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cls = tr.Qwen2MoeForCausalLM
+    else:
+        hc = tr.Qwen3MoeConfig(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.expert_hidden,
+                               head_dim=cfg.head_dim, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cls = tr.Qwen3MoeForCausalLM
+    kw = {"attn_implementation": "sdpa"}
+    if experts:
+        kw["experts_implementation"] = experts
+    return cls._from_config(hc, **kw)
+
+
+@torch.no_grad()
+def copy_weights(ours, hf, arch: str) -> None:
+    """Copy every parameter of our MoELM into the Hugging Face model (layouts differ)."""
+    hm = hf.model
+    hm.embed_tokens.weight.copy_(ours.embed.weight)
+    hm.norm.weight.copy_(ours.norm.weight)
+    hf.lm_head.weight.copy_(ours.lm_head.weight)
+    for blk, layer in zip(ours.layers, hm.layers):
+        layer.input_layernorm.weight.copy_(blk.attn_norm.weight)
+        layer.post_attention_layernorm.weight.copy_(blk.moe_norm.weight)
+        a, sa = blk.attn, layer.self_attn
+        for ours_lin, name in ((a.wq, "q_proj"), (a.wk, "k_proj"), (a.wv, "v_proj"), (a.wo, "o_proj")):
+            getattr(sa, name).weight.copy_(ours_lin.weight)
+        if a.qk_norm != "none":
+            sa.q_norm.weight.copy_(a.q_norm.weight)
+            sa.k_norm.weight.copy_(a.k_norm.weight)
+        copy_moe(blk.moe, layer.mlp)
+
+
+@torch.no_grad()
+def copy_moe(moe, hf_block) -> None:
+    """Our MoE (router, (E, D, F) expert weights, shared expert) into a HF sparse MoE block."""
+    hf_block.gate.weight.copy_(moe.router.weight)
+    ex = hf_block.experts
+    ex.gate_up_proj.copy_(torch.cat([moe.w_gate.transpose(1, 2), moe.w_up.transpose(1, 2)], dim=1))
+    ex.down_proj.copy_(moe.w_down.transpose(1, 2))
+    if moe.shared is not None:
+        se = hf_block.shared_expert
+        se.gate_proj.weight.copy_(moe.shared.gate.weight)
+        se.up_proj.weight.copy_(moe.shared.up.weight)
+        se.down_proj.weight.copy_(moe.shared.down.weight)
+        hf_block.shared_expert_gate.weight.copy_(moe.shared_gate.weight)
+
+
+def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:
+    """Median seconds of fa and fb, alternating them so that machine noise hits both alike."""
+    fa(), fb()  # warm-up
+    ta, tb = [], []
+    for _ in range(repeats):
+        for f, ts in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _fwd_bwd(module, make_out):
+    def run():
+        module.zero_grad(set_to_none=True)
+        make_out().float().pow(2).mean().backward()
+    return run
+
+
+@dataclass
+class Comparison:
+    arch: str
+    part: str  # "moe_block" or "model"
+    tokens: int
+    max_abs_diff: float
+    ours_fwd_s: float
+    hf_fwd_s: float
+    ours_fwdbwd_s: float
+    hf_fwdbwd_s: float
+
+    @property
+    def fwd_ratio(self) -> float:
+        return self.hf_fwd_s / self.ours_fwd_s
+
+    @property
+    def fwdbwd_ratio(self) -> float:
+        return self.hf_fwdbwd_s / self.ours_fwdbwd_s
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fwd_ratio_hf_over_ours": self.fwd_ratio,
+                "fwdbwd_ratio_hf_over_ours": self.fwdbwd_ratio}
+
+
+def compare(arch: str = "olmoe", preset: str = "small", n_layers: int | None = 2, batch: int = 2,
+            seq_len: int = 512, repeats: int = 5, hf_experts: str | None = None,
+            seed: int = 0) -> list[Comparison]:
+    """Outputs and timings of our MoE block and model vs Hugging Face at identical weights."""
+    cfg = our_config(arch, preset, n_layers)
+    torch.manual_seed(seed)
+    ours = build_model(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights so a mis-copied norm cannot go unnoticed
+        for name, p in ours.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    hf = hf_model(cfg, arch, hf_experts).eval()
+    copy_weights(ours, hf, arch)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
+    x = torch.randn(batch * seq_len, cfg.d_model, generator=g)
+    out = []
+
+    blk, hblk = ours.layers[0].moe, hf.model.layers[0].mlp
+    with torch.no_grad():
+        diff = (blk(x)[0] - hblk(x[None]).reshape_as(x)).abs().max().item()
+        of, hff = _time_pair(lambda: blk(x), lambda: hblk(x[None]), repeats)
+    ob, hb = _time_pair(_fwd_bwd(blk, lambda: blk(x)[0]), _fwd_bwd(hblk, lambda: hblk(x[None])), repeats)
+    out.append(Comparison(arch, "moe_block", x.shape[0], diff, of, hff, ob, hb))
+
+    with torch.no_grad():
+        diff = (ours(ids).logits - hf(input_ids=ids).logits).abs().max().item()
+        of, hff = _time_pair(lambda: ours(ids), lambda: hf(input_ids=ids), repeats)
+    ob, hb = _time_pair(_fwd_bwd(ours, lambda: ours(ids).logits),
+                        _fwd_bwd(hf, lambda: hf(input_ids=ids).logits), repeats)
+    out.append(Comparison(arch, "model", ids.numel(), diff, of, hff, ob, hb))
+    return out

@@ -1,0 +1,353 @@
+"""Prefill and decode latency of MoE vs compute-matched ConceptMoE (CONCEPTMOE.md §4, §5).
+
+``run_latency(LatencySettings(...))`` builds the MoE baseline of a preset and the ConceptMoE
+configs ``match_config`` gives for each ratio and strategy (plus trained runs, ``--run``),
+then times, interleaving the models inside every repeat so that machine noise hits all of
+them alike, and reports medians:
+
+- **prefill**: ``inference.prefill`` over ``prefill_batch`` rows of L random tokens (the
+  forward pass that also fills the caches; logits of the last position only);
+- **decode**: seconds per ``decode_step`` (one new token for each of ``batch`` rows) with
+  ``kv`` tokens already cached. The caches are filled *synthetically* (random K/V of the
+  right shapes: kv token entries per token-rate layer, round(kv/R) concept entries per
+  concept layer and loop) instead of prefilling kv x batch tokens; each repeat rewinds them.
+
+**Router calibration.** An untrained cosine router puts boundaries almost anywhere, so the
+benchmark sets it (``calibrate_router``) so that exactly a fraction 1/R of the benchmark's
+own (ĥ_t, ĥ_{t-1}) pairs are boundaries: W_q ĥ = (u·ĥ) e_1 + c e_2, W_k ĥ = (u·ĥ) e_1 ± c e_2
+(a random unit u, biases added), so q·k = (u·ĥ_t)(u·ĥ_{t-1}) + τ and p_t >= 0.5 exactly when
+that product <= -τ, with τ = -(the 1/R quantile). Encoder states do not depend on boundaries,
+so the calibration set is the benchmark input itself (prefill: the longest input; decode: one
+untimed pass over the timed steps). The cost of the router is unchanged (two d x d matmuls).
+Linear routers get the same treatment through their bias; fixed routers need none; trained
+runs are left alone. The realised compression is measured and reported every time.
+
+Speedup % = (t_MoE / t - 1) x 100, the paper's convention (+100% = twice as fast).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .cache import ChunkState, DechunkState, InferenceState, KVCache
+from .config import ModelConfig
+from .errors import UserError
+from .flops import count_flops
+from .inference import decode_step, prefill
+from .match import match_config
+from .model import ConceptMoELM, build_model
+
+
+@dataclass
+class LatencySettings:
+    preset: str = "small"
+    ratios: list[float] = field(default_factory=lambda: [2.0])
+    strategies: list[str] = field(default_factory=lambda: ["topk", "layers"])
+    runs: list[str] = field(default_factory=list)  # trained run directories (no calibration)
+    prefill_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384])
+    kv_lens: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    batch: int = 8  # decode rows
+    prefill_batch: int = 1
+    repeats: int = 3
+    decode_steps: int = 16  # decode steps per timed repeat
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0  # torch intra-op threads (0: leave torch's default)
+
+
+@dataclass
+class BenchModel:
+    name: str
+    model: nn.Module
+    strategy: str | None = None  # match strategy; None for the baseline and trained runs
+    calibrate: bool = False  # untrained router: set it to hit the target ratio
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def ratio(self) -> float:
+        return self.cfg.compression_ratio if self.cfg.is_concept else 1.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_bench_models(s: LatencySettings, load_run=None) -> list[BenchModel]:
+    """The MoE baseline, its matched ConceptMoE variants, and any trained runs."""
+    dtype, dev = getattr(torch, s.dtype), torch.device(s.device)
+    base = ModelConfig.from_preset(s.preset, kind="moe")
+    torch.manual_seed(s.seed)
+    out = [BenchModel(base.name, build_model(base))]
+    for ratio in s.ratios:
+        for strategy in s.strategies:
+            m = match_config(base, ratio, strategy)
+            name = m.name if all(b.name != m.name for b in out) else f"{m.name}[{strategy}]"
+            out.append(BenchModel(name, build_model(m.config), strategy, calibrate=True))
+    for run in s.runs:
+        if load_run is None:
+            raise UserError("--run needs the training package's checkpoint loader")
+        model = load_run(run)
+        out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]", model))
+    for b in out:
+        b.model.to(device=dev, dtype=dtype).eval()
+    return out
+
+
+@torch.no_grad()
+def calibrate_router(model: ConceptMoELM, h: torch.Tensor, h_prev: torch.Tensor, n_boundaries: int,
+                     seed: int = 0) -> None:
+    """Make exactly ``n_boundaries`` of the N pairs (h (N, D), h_prev (N, D)) boundaries."""
+    router, (N, D) = model.chunk, h.shape
+    k = min(max(n_boundaries, 0), N)
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(D, generator=g).to(h)
+    u = u / u.norm()
+    if router.kind == "fixed":
+        return
+    x = (h.float() @ u.float())
+    if router.kind == "linear":  # p = sigmoid(u·h + bias) >= 0.5  <=>  u·h >= -bias
+        s = x.sort(descending=True).values
+        thr = s[0] + 1 if k == 0 else (s[k - 1] if k == N else (s[k - 1] + s[k]) / 2)
+        router.score.weight.copy_(u[None])
+        router.score.bias.fill_(-float(thr))
+        return
+    s = (x * (h_prev.float() @ u.float())).sort().values  # products, ascending
+    thr = s[0] - 1 if k == 0 else (s[-1] + 1 if k == N else (s[k - 1] + s[k]) / 2)
+    tau = -float(thr)  # boundary <=> product + tau <= 0
+    c = math.sqrt(abs(tau)) or 1e-6
+    for name, sign in (("wq", 1.0), ("wk", 1.0 if tau >= 0 else -1.0)):
+        lin = nn.Linear(D, D, bias=True).to(h)
+        lin.weight.zero_()
+        lin.weight[0] = u
+        lin.bias.zero_()
+        lin.bias[1] = sign * c
+        setattr(router, name, lin)
+
+
+def _fill(cache: KVCache, n: int, g: torch.Generator) -> None:
+    """Random K/V in entries [0, n) of every row (a random block tiled: cheap for long caches)."""
+    for buf in cache.k + cache.v:
+        blk = torch.randn(buf.shape[0], buf.shape[1], min(n, 256), buf.shape[3], generator=g).to(buf)
+        for i in range(0, n, blk.shape[2]):
+            j = min(n, i + blk.shape[2])
+            buf[:, :, i:j] = blk[:, :, :j - i]
+    cache.lengths = [n] * len(cache.lengths)
+
+
+def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0) -> InferenceState:
+    """A decode state as if ``kv`` tokens (and kv/R concepts) per row had been prefilled."""
+    cfg, p = model.cfg, next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    new = lambda layers, n: KVCache.empty(layers, batch, cfg.n_kv_heads, cfg.head_dim,  # noqa: E731
+                                          n + extra + 1, p.dtype, p.device)
+    if not cfg.is_concept:
+        tokens = new(cfg.n_layers, kv)
+        _fill(tokens, kv, g)
+        return InferenceState(tokens=tokens)
+    tokens = new(cfg.n_encoder_layers + cfg.n_decoder_layers, kv)
+    _fill(tokens, kv, g)
+    n_con = max(1, round(kv / cfg.compression_ratio))
+    concepts = new(cfg.n_concept_layers * cfg.concept_loops, n_con)
+    _fill(concepts, n_con, g)
+    D = cfg.d_model
+    chunk = ChunkState(last_key=torch.randn(batch, D, generator=g).to(p))
+    if cfg.concept_pooling == "mean":
+        chunk.pool_sum = torch.zeros(batch, D).to(p)
+        chunk.pool_count = torch.zeros(batch, dtype=torch.long, device=p.device)
+    z = 0.02 * torch.randn(batch, D, generator=g).to(p)
+    return InferenceState(tokens, concepts, chunk, DechunkState(z), [[] for _ in range(batch)])
+
+
+def _snapshot(st: InferenceState) -> dict:
+    snap = {"tok": list(st.tokens.lengths)}
+    if st.concepts is not None:
+        snap.update(con=list(st.concepts.lengths), key=st.chunk.last_key, z=st.dechunk.z,
+                    pool=(st.chunk.pool_sum, st.chunk.pool_count))
+    return snap
+
+
+def _restore(st: InferenceState, snap: dict) -> None:
+    """Rewind a decode state: entries past the saved lengths are simply overwritten later."""
+    st.tokens.truncate(snap["tok"])
+    if st.concepts is not None:
+        st.concepts.truncate(snap["con"])
+        st.chunk.last_key, st.dechunk.z = snap["key"], snap["z"]
+        st.chunk.pool_sum, st.chunk.pool_count = snap["pool"]
+        st.boundaries = [[] for _ in st.boundaries]
+
+
+@torch.no_grad()
+def _calibrate_decode(b: BenchModel, st: InferenceState, tokens: torch.Tensor, seed: int) -> None:
+    """One untimed pass over the steps records ĥ; then calibrate and fix the starting key."""
+    snap, seen = _snapshot(st), []
+    router = b.model.chunk
+    orig = router.step
+
+    def record(h, last_key, pos):
+        seen.append(h.clone())
+        return orig(h, last_key, pos)
+
+    router.step = record
+    try:
+        for t in tokens:
+            decode_step(b.model, st, t)
+    finally:
+        del router.step
+    H = torch.stack(seen)  # (S, B, D); the step before step 0 is taken to be the last one
+    prev = torch.roll(H, 1, dims=0)
+    n = round(H.shape[0] * H.shape[1] / b.ratio)
+    calibrate_router(b.model, H.flatten(0, 1), prev.flatten(0, 1), n, seed)
+    _restore(st, snap)
+    if router.kind == "cosine":
+        st.chunk.last_key = router.wk(H[-1])
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def decode_attention_flops(cfg: ModelConfig, kv: int, compression: float) -> float:
+    """Attention-map FLOPs (QKᵀ + AV) of one decoded token with kv tokens cached."""
+    hd = 4 * cfg.n_heads * cfg.head_dim
+    if not cfg.is_concept:
+        return hd * (kv + 1) * cfg.n_layers
+    tok = hd * (kv + 1) * (cfg.n_encoder_layers + cfg.n_decoder_layers)
+    con = hd * (kv / compression + 1) * cfg.n_concept_layers * cfg.concept_loops / compression
+    return tok + con
+
+
+@torch.no_grad()
+def _time_prefill(b: BenchModel, ids: torch.Tensor) -> tuple[float, InferenceState, torch.Tensor | None]:
+    dev = ids.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    out, st = prefill(b.model, ids)
+    _sync(dev)
+    return time.perf_counter() - t0, st, out.boundary
+
+
+def bench_prefill(models: list[BenchModel], s: LatencySettings, log=print) -> list[dict]:
+    dev = torch.device(s.device)
+    V = min(b.cfg.vocab_size for b in models)
+    g = torch.Generator().manual_seed(s.seed)
+    ids = torch.randint(0, V, (s.prefill_batch, max(s.prefill_lens)), generator=g).to(dev)
+    states = {}  # encoder states (B, T, D): they do not depend on the router
+    for b in models:
+        if b.calibrate:
+            with torch.no_grad():
+                states[b.name] = b.model.encode(ids)[0]
+        _time_prefill(b, ids[:, :min(256, ids.shape[1])])  # warm-up
+    rows = []
+    for L in s.prefill_lens:
+        for b in models:  # calibrate on this very input: prefix L of the longest one
+            if b.calibrate:
+                h = states[b.name][:, :L]
+                n = s.prefill_batch * (round(L / b.ratio) - 1)  # position 0 is always a boundary
+                calibrate_router(b.model, h[:, 1:].flatten(0, 1), h[:, :-1].flatten(0, 1), n, s.seed)
+        times = {b.name: [] for b in models}
+        info = {}
+        for _ in range(s.repeats):
+            for b in models:  # interleaved: every repeat runs every model once
+                dt, st, bnd = _time_prefill(b, ids[:, :L])
+                times[b.name].append(dt)
+                comp = 1.0 if bnd is None else bnd.numel() / int(bnd.sum())
+                info[b.name] = (comp, st.kv_bytes(), st.tokens.k[0].element_size())
+                del st
+        base = _median(times[models[0].name])
+        for b in models:
+            comp, kv, esize = info[b.name]
+            t = _median(times[b.name])
+            f = count_flops(b.cfg, seq_len=L, compression=comp, dtype_bytes=esize)
+            rows.append({"model": b.name, "tokens": L, "batch": s.prefill_batch, "median_s": t,
+                         "times_s": times[b.name], "speedup_pct": 100 * (base / t - 1),
+                         "compression": comp, "target_compression": b.ratio,
+                         "kv_bytes": kv, "kv_bytes_analytic": f["kv_cache_bytes_per_token"] * L * s.prefill_batch,
+                         "attention_map_flops": f["attention_map_flops_per_token"] * L * s.prefill_batch})
+            log(f"prefill L={L:<6} {b.name:<28} {t:8.3f} s  {rows[-1]['speedup_pct']:+7.1f}%  R={comp:.2f}")
+    return rows
+
+
+def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> list[dict]:
+    dev = torch.device(s.device)
+    V = min(b.cfg.vocab_size for b in models)
+    g = torch.Generator().manual_seed(s.seed + 1)
+    tokens = torch.randint(0, V, (s.decode_steps, s.batch), generator=g).to(dev)
+    rows = []
+    for kv in s.kv_lens:
+        states, snaps = {}, {}
+        for b in models:
+            st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed)
+            if b.calibrate:
+                _calibrate_decode(b, st, tokens, s.seed)
+            else:  # warm-up pass
+                snap = _snapshot(st)
+                with torch.no_grad():
+                    for t in tokens:
+                        decode_step(b.model, st, t)
+                _restore(st, snap)
+            states[b.name], snaps[b.name] = st, _snapshot(st)
+        times = {b.name: [] for b in models}
+        comps = {}
+        for _ in range(s.repeats):
+            for b in models:
+                st = states[b.name]
+                _restore(st, snaps[b.name])
+                n_bound = 0
+                _sync(dev)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    for t in tokens:
+                        out = decode_step(b.model, st, t)
+                        if out.boundary is not None:
+                            n_bound += int(out.boundary.sum())
+                _sync(dev)
+                times[b.name].append((time.perf_counter() - t0) / s.decode_steps)
+                comps[b.name] = tokens.numel() / n_bound if b.cfg.is_concept and n_bound else 1.0
+        base = _median(times[models[0].name])
+        for b in models:
+            st, t = states[b.name], _median(times[b.name])
+            _restore(st, snaps[b.name])
+            esize = st.tokens.k[0].element_size()
+            f = count_flops(b.cfg, compression=b.ratio, dtype_bytes=esize)
+            rows.append({"model": b.name, "kv_len": kv, "batch": s.batch, "median_s": t,
+                         "times_s": times[b.name], "speedup_pct": 100 * (base / t - 1),
+                         "compression": comps[b.name], "target_compression": b.ratio,
+                         "kv_bytes": st.kv_bytes(),
+                         "kv_bytes_analytic": f["kv_cache_bytes_per_token"] * kv * s.batch,
+                         "attention_map_flops_per_token": decode_attention_flops(b.cfg, kv, comps[b.name])})
+            log(f"decode kv={kv:<6} {b.name:<28} {t * 1e3:8.2f} ms/step  "
+                f"{rows[-1]['speedup_pct']:+7.1f}%  R={comps[b.name]:.2f}")
+        del states, snaps
+    return rows
+
+
+def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
+    """Both benchmarks; returns the JSON-ready result (see ``latency_report``)."""
+    for name in ("prefill_lens", "kv_lens"):
+        if any(n < 2 for n in getattr(s, name)):
+            raise UserError(f"--{name.replace('_', '-')}: lengths must be >= 2")
+    if s.batch < 1 or s.prefill_batch < 1 or s.repeats < 1 or s.decode_steps < 1:
+        raise UserError("--batch, --repeats and --decode-steps must be >= 1")
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    models = build_bench_models(s, load_run)
+    info = [{"name": b.name, "kind": b.cfg.kind, "strategy": b.strategy, "target_compression": b.ratio,
+             "calibrated_router": b.calibrate, "total_params": b.model.num_params(),
+             "activated_flops_per_token": count_flops(b.cfg)["activated_flops_per_token"],
+             "config": b.cfg.to_dict()} for b in models]
+    result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
+              "prefill": bench_prefill(models, s, log) if s.prefill_lens else [],
+              "decode": bench_decode(models, s, log) if s.kv_lens else []}
+    return result
