@@ -340,14 +340,19 @@ def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
             raise UserError(f"--{name.replace('_', '-')}: lengths must be >= 2")
     if s.batch < 1 or s.prefill_batch < 1 or s.repeats < 1 or s.decode_steps < 1:
         raise UserError("--batch, --repeats and --decode-steps must be >= 1")
+    threads = torch.get_num_threads()
     if s.threads:
         torch.set_num_threads(s.threads)
-    models = build_bench_models(s, load_run)
-    info = [{"name": b.name, "kind": b.cfg.kind, "strategy": b.strategy, "target_compression": b.ratio,
-             "calibrated_router": b.calibrate, "total_params": b.model.num_params(),
-             "activated_flops_per_token": count_flops(b.cfg)["activated_flops_per_token"],
-             "config": b.cfg.to_dict()} for b in models]
-    result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
-              "prefill": bench_prefill(models, s, log) if s.prefill_lens else [],
-              "decode": bench_decode(models, s, log) if s.kv_lens else []}
+    try:
+        models = build_bench_models(s, load_run)
+        info = [{"name": b.name, "kind": b.cfg.kind, "strategy": b.strategy,
+                 "target_compression": b.ratio, "calibrated_router": b.calibrate,
+                 "total_params": b.model.num_params(),
+                 "activated_flops_per_token": count_flops(b.cfg)["activated_flops_per_token"],
+                 "config": b.cfg.to_dict()} for b in models]
+        result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
+                  "prefill": bench_prefill(models, s, log) if s.prefill_lens else [],
+                  "decode": bench_decode(models, s, log) if s.kv_lens else []}
+    finally:
+        torch.set_num_threads(threads)
     return result

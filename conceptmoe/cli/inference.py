@@ -211,13 +211,26 @@ def cmd_bench_latency(args) -> int:
 def cmd_bench_moe(args) -> int:
     import torch
 
-    from ..hf_bench import ARCHS, compare
+    from ..hf_bench import ARCHS
 
     archs = list(ARCHS) if args.arch == "all" else [args.arch]
+    if any(a not in ARCHS for a in archs):
+        raise UserError(f"unknown --arch {args.arch!r}; choose from {', '.join(ARCHS)} or all")
     if any(n < 1 for n in (args.layers, args.batch, args.seq_len, args.repeats)):
         raise UserError("--layers, --batch, --seq-len and --repeats must be >= 1")
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _bench_moe(args, archs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_moe(args, archs: list[str]) -> int:
+    from ..hf_bench import _transformers, compare
+
+    _transformers()  # a one-line error when transformers is missing
     rows = []
     print(f"{'arch':<10} {'part':<10} {'tokens':>6} {'max|diff|':>10} {'fwd ours':>9} {'fwd HF':>9} "
           f"{'HF/ours':>7} {'f+b ours':>9} {'f+b HF':>9} {'HF/ours':>7}")
