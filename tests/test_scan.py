@@ -52,3 +52,17 @@ def test_linear_scan_general_decay():
         z = x[:, j] + a[:, j, None] * z
         ref.append(z)
     torch.testing.assert_close(linear_scan(x, a.log()), torch.stack(ref, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_bench_scan_cli_writes_json(tmp_path, capsys):
+    import json
+
+    from conceptmoe.cli import main
+
+    assert main(["bench", "scan", "--concepts", "200", "--dim", "8", "--repeats", "1",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "scan.json").read_text())
+    assert res["max_abs_diff"] < 1e-5
+    assert res["forward"]["scan_s"] > 0 and res["forward"]["speedup"] > 0
+    assert "speedup" in capsys.readouterr().out
+    assert main(["bench", "scan", "--concepts", "0"]) == 2
