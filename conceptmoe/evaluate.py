@@ -25,6 +25,8 @@ from .data import DOC_SEP, load_corpus, read_documents
 from .errors import UserError
 from .tokenizer import byte_lengths, encode_documents
 
+EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise
+
 
 def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
     """(start, end) windows of at most seq_len tokens, consecutive ones sharing one token."""
@@ -38,7 +40,7 @@ def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarray, seq_len: int,
-                    batch_size: int = 8, max_tokens: int | None = None) -> dict[str, Any]:
+                    batch_size: int = EVAL_BATCH, max_tokens: int | None = None) -> dict[str, Any]:
     """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode)."""
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -81,5 +83,5 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
     if int(ids.max(initial=0)) >= cfg.vocab_size:
         raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
     seq_len = int(train_cfg.get("seq_len", 256))
-    bs = batch_size or int(train_cfg.get("batch_size", 8))
-    return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len, bs, max_tokens)
+    return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
+                           batch_size or EVAL_BATCH, max_tokens)

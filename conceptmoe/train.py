@@ -118,7 +118,9 @@ def model_config(tc: TrainConfig) -> ModelConfig:
         if tc.strategy:
             from .match import match_config
 
-            base = ModelConfig.from_preset(tc.preset, **{**tc.overrides, "kind": "moe"})
+            # Ablation knobs change the ConceptMoE, not the baseline it is matched to.
+            shared = {k: v for k, v in tc.overrides.items() if k not in _CONCEPT_ONLY}
+            base = ModelConfig.from_preset(tc.preset, **{**shared, "kind": "moe"})
             mc = match_config(base, tc.ratio, tc.strategy).config
             return mc.replace(**{k: v for k, v in tc.overrides.items() if k in _CONCEPT_ONLY})
         kind = {"kind": tc.model}
@@ -215,7 +217,7 @@ def train(tc: TrainConfig) -> Path:
         ck.link_latest_weights(out, ckpt)
     ck.truncate_metrics(out, step)
     _loop(tc, model, opt, sampler, step, out, val_ids, byte_lengths(tok, mc.vocab_size), device)
-    final = evaluate_tokens(model, val_ids, byte_lengths(tok, mc.vocab_size), tc.seq_len, tc.batch_size)
+    final = evaluate_tokens(model, val_ids, byte_lengths(tok, mc.vocab_size), tc.seq_len)
     ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
     return out
 
@@ -266,7 +268,7 @@ def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Pa
             if "boundary_prob" in aux:
                 row["boundary_prob"] = aux["boundary_prob"]
             if eval_every and (step % eval_every == 0 or step == total):
-                v = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, tc.batch_size, tc.eval_tokens)
+                v = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
                 row.update(val_loss=v["val_loss"], val_bpb=v["val_bpb"], val_compression=v["compression"])
             row["tokens_per_s"] = tokens_per_s
             log.write(json.dumps(row) + "\n")

@@ -103,7 +103,7 @@ def _register_eval(sub) -> None:
     p.add_argument("run", help="run directory")
     p.add_argument("--data", help="evaluate on all text under this path instead of the run's held-out split")
     p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, val_bpb, compression, tokens)")
-    p.add_argument("--batch-size", type=int, help="windows per forward pass (default: the run's batch size)")
+    p.add_argument("--batch-size", type=int, help="windows per forward pass (default 16)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_eval)
 

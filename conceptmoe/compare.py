@@ -1,0 +1,225 @@
+"""MoE versus compute-matched ConceptMoE on the same data (CONCEPTMOE.md §3 and §5).
+
+``compare(CompareConfig) -> Path`` trains, with one shared tokenizer, data, token budget and
+seed list: the preset's MoE baseline; for every (strategy, R) the ConceptMoE that
+``match_config`` matches to it in activated FLOPs/token and total parameters; and, with
+``ablations``, variants of the first matched model (linear router, fixed-size chunking, no
+joint decoding, no boundary noise). Each model and seed is an ordinary run directory under
+``out/<label>/seed<k>``; rerunning the same comparison skips finished runs and resumes
+interrupted ones. It then writes ``report.json``, ``report.md`` and ``curves.png``
+(validation BPB against training tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint as ck
+from .config import ModelConfig
+from .data import load_corpus
+from .errors import UserError
+from .flops import count_flops
+from .tokenizer import save_tokenizer, train_tokenizer
+from .train import STRATEGIES, TrainConfig, model_config, train
+
+DEFAULT_COMPARE_TOKENS = 1_600_000
+ABLATIONS = {  # label suffix -> ModelConfig overrides
+    "linear-router": {"chunk_router": "linear"},
+    "fixed-chunks": {"chunk_router": "fixed"},
+    "no-joint": {"joint_decoding": False},
+    "no-noise": {"boundary_noise": False},
+}
+
+
+@dataclass
+class CompareConfig:
+    preset: str = "small"
+    strategies: list[str] = field(default_factory=lambda: ["topk"])
+    ratios: list[float] = field(default_factory=lambda: [2.0])
+    seeds: list[int] = field(default_factory=lambda: [0])
+    tokens: int = DEFAULT_COMPARE_TOKENS
+    ablations: bool = False
+    data: str | None = None
+    out: str | None = None  # None: runs/compare-<preset>
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 2e-3
+    device: str = "auto"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.strategies if s not in STRATEGIES]
+        if bad or not self.strategies:
+            raise UserError(f"--strategies must list some of {', '.join(STRATEGIES)} (got {self.strategies})")
+        if not self.ratios or any(not r > 1 for r in self.ratios):
+            raise UserError(f"--ratios must be values > 1 (got {self.ratios})")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise UserError(f"--seeds must be distinct integers (got {self.seeds})")
+        if self.tokens < 1:
+            raise UserError("--tokens must be positive")
+        self.out = self.out or f"runs/compare-{self.preset}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("force")
+        return d
+
+
+def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
+    """(label, TrainConfig for seed 0) of every model in the comparison, baseline first."""
+    common = dict(preset=cc.preset, overrides=cc.overrides, data=cc.data, tokens=cc.tokens,
+                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device)
+    models = [("moe", TrainConfig(model="moe", **common))]
+    for r in cc.ratios:
+        for s in cc.strategies:
+            models.append((f"{s}-R{r:g}", TrainConfig(strategy=s, ratio=r, **common)))
+    if cc.ablations:
+        label, first = models[1]
+        for suffix, over in ABLATIONS.items():
+            tc = dataclasses.replace(first, overrides={**cc.overrides, **over})
+            models.append((f"{label}-{suffix}", tc))
+    return models
+
+
+def compare(cc: CompareConfig) -> Path:
+    out = Path(cc.out)
+    models = plan(cc)
+    for _, tc in models:
+        model_config(tc)  # every model must build (and match) before anything is trained
+    corpus = load_corpus(cc.data)
+    _claim(out, cc)
+    tok_path = out / "tokenizer.json"
+    if not tok_path.is_file():
+        vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
+        save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
+    for label, tc in models:
+        for seed in cc.seeds:
+            run = out / label / f"seed{seed}"
+            done = (run / "eval.json").is_file()
+            if done:
+                continue
+            print(f"== {label} seed {seed} -> {run}", flush=True)
+            train(dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path),
+                                      resume=ck.is_run(run), force=False))
+    report = build_report(cc, models)
+    ck.write_json(out / "report.json", report)
+    (out / "report.md").write_text(render_markdown(report))
+    plot_curves(report, out / "curves.png")
+    return out
+
+
+def _claim(out: Path, cc: CompareConfig) -> None:
+    """Refuse to mix two different comparisons in one folder (unless --force)."""
+    meta = out / "compare.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old != cc.to_dict():
+            if not cc.force:
+                diff = sorted(k for k in cc.to_dict() if old.get(k) != cc.to_dict()[k])
+                raise UserError(f"{out} holds a comparison with different settings ({', '.join(diff)}); "
+                                "use another --out or --force to start over")
+            for child in out.iterdir():
+                if child.is_dir() and any(child.glob("seed*/config.json")):
+                    for run in child.glob("seed*"):
+                        ck.remove_run(run)
+            (out / "tokenizer.json").unlink(missing_ok=True)
+    elif out.is_dir() and any(out.iterdir()) and not cc.force:
+        raise UserError(f"{out} is not empty and holds no comparison; choose another --out or pass --force")
+    out.mkdir(parents=True, exist_ok=True)
+    ck.write_json(meta, cc.to_dict())
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> dict[str, Any]:
+    rows = []
+    for label, tc in models:
+        mc = model_config(tc)
+        runs = [Path(cc.out) / label / f"seed{s}" for s in cc.seeds]
+        evals = [json.loads((r / "eval.json").read_text()) for r in runs]
+        metrics = [ck.read_metrics(r) for r in runs]
+        bpb, bpb_sd = _mean_std([e["val_bpb"] for e in evals])
+        comp = statistics.fmean(e["compression"] for e in evals)
+        tps = statistics.fmean(statistics.fmean(m["tokens_per_s"] for m in ms[min(10, len(ms) - 1):])
+                               for ms in metrics)
+        fl = count_flops(mc, cc.seq_len)
+        curve = _mean_curve(metrics)
+        rows.append({"label": label, "name": mc.name, "strategy": tc.strategy, "ratio": tc.ratio if mc.is_concept else 1.0,
+                     "val_bpb": bpb, "val_bpb_std": bpb_sd, "val_bpb_seeds": [e["val_bpb"] for e in evals],
+                     "val_loss": statistics.fmean(e["val_loss"] for e in evals), "compression": comp,
+                     "activated_flops_per_token": fl["activated_flops_per_token"],
+                     "total_params": fl["total_params"],
+                     "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
+                     "train_tokens_per_s": tps, "curve": curve, "config": mc.to_dict()})
+    return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "models": rows, "verdict": verdict(rows)}
+
+
+def _mean_curve(metrics: list[list[dict]]) -> list[tuple[int, float]]:
+    """(tokens, mean val BPB over seeds) at each validation step all seeds share."""
+    per_seed = [{m["tokens"]: m["val_bpb"] for m in ms if "val_bpb" in m} for ms in metrics]
+    common = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
+    return [(t, statistics.fmean(d[t] for d in per_seed)) for t in common]
+
+
+def verdict(rows: list[dict]) -> list[str]:
+    """One line per ConceptMoE: does it reach the baseline's BPB, is compression within 10% of R?"""
+    base = rows[0]
+    lines = []
+    for r in rows[1:]:
+        wins = r["val_bpb"] <= base["val_bpb"]
+        within = abs(r["compression"] - r["ratio"]) <= 0.1 * r["ratio"]
+        lines.append(f"{r['label']} ({r['name']}): val BPB {r['val_bpb']:.4f} vs MoE {base['val_bpb']:.4f} "
+                     f"({'<=' if wins else '>'} baseline, {r['val_bpb'] - base['val_bpb']:+.4f}); "
+                     f"compression {r['compression']:.2f} vs R={r['ratio']:g} "
+                     f"({'within' if within else 'outside'} 10%)")
+    return lines
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    head = (f"# MoE vs ConceptMoE ({s['preset']} preset)\n\n"
+            f"Data: {s['data'] or 'Shakespeare (held-out plays: see conceptmoe/data.py)'}; "
+            f"{s['tokens']:,} training tokens per model; batch {s['batch_size']} x {s['seq_len']}; "
+            f"lr {s['lr']:g}; seeds {', '.join(map(str, s['seeds']))}.\n"
+            f"FLOPs are analytic (conceptmoe/flops.py) at the target R; attention-map FLOPs at "
+            f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
+            f"held-out text.\n\n")
+    table = ["| run | model | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
+             "| total params | attn-map MFLOPs/token | train tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["models"]:
+        table.append(f"| {r['label']} | {r['name']} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
+                     f"| {r['val_loss']:.4f} | {r['compression']:.2f} | {r['activated_flops_per_token'] / 1e6:.2f} "
+                     f"| {r['total_params'] / 1e6:.2f}M | {r['attention_map_flops_per_token'] / 1e6:.3f} "
+                     f"| {r['train_tokens_per_s']:.0f} |")
+    verdict_md = "\n".join(f"- {line}" for line in report["verdict"])
+    return head + "\n".join(table) + "\n\n## Verdict\n\n" + verdict_md + "\n\n![validation curves](curves.png)\n"
+
+
+def plot_curves(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in report["models"]:
+        if r["curve"]:
+            t, b = zip(*r["curve"])
+            ax.plot([x / 1e6 for x in t], b, marker="o", ms=3, label=f"{r['label']} ({r['name']})")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("validation bits per byte (held-out slice)")
+    ax.set_title("MoE vs compute-matched ConceptMoE")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
