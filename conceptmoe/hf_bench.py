@@ -83,7 +83,7 @@ def hf_model(cfg: ModelConfig, arch: str, experts: str | None = None):
 
 
 @torch.no_grad()
-def copy_weights(ours, hf, arch: str) -> None:
+def copy_weights(ours, hf) -> None:
     """Copy every parameter of our MoELM into the Hugging Face model (layouts differ)."""
     hm = hf.model
     hm.embed_tokens.weight.copy_(ours.embed.weight)
@@ -171,7 +171,7 @@ def compare(arch: str = "olmoe", preset: str = "small", n_layers: int | None = 2
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     hf = hf_model(cfg, arch, hf_experts).eval()
-    copy_weights(ours, hf, arch)
+    copy_weights(ours, hf)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
     x = torch.randn(batch * seq_len, cfg.d_model, generator=g)
