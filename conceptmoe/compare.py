@@ -25,7 +25,7 @@ from .data import load_corpus
 from .errors import UserError
 from .flops import count_flops
 from .tokenizer import save_tokenizer, train_tokenizer
-from .train import STRATEGIES, TrainConfig, model_config, train
+from .train import CONCEPT_ONLY, STRATEGIES, TrainConfig, model_config, train
 
 DEFAULT_COMPARE_TOKENS = 1_600_000
 ABLATIONS = {  # label suffix -> ModelConfig overrides
@@ -75,7 +75,9 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
     """(label, TrainConfig for seed 0) of every model in the comparison, baseline first."""
     common = dict(preset=cc.preset, overrides=cc.overrides, data=cc.data, tokens=cc.tokens,
                   batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device)
-    models = [("moe", TrainConfig(model="moe", **common))]
+    # ConceptMoE-only knobs (--set ratio_loss_weight=..., ablations) leave the baseline alone.
+    moe_over = {k: v for k, v in cc.overrides.items() if k not in CONCEPT_ONLY}
+    models = [("moe", TrainConfig(model="moe", **{**common, "overrides": moe_over}))]
     for r in cc.ratios:
         for s in cc.strategies:
             models.append((f"{s}-R{r:g}", TrainConfig(strategy=s, ratio=r, **common)))
@@ -93,20 +95,17 @@ def compare(cc: CompareConfig) -> Path:
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     corpus = load_corpus(cc.data)
-    _claim(out, cc)
-    tok_path = out / "tokenizer.json"
+    tok_path = _claim(out, cc, models)
     if not tok_path.is_file():
         vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
         save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
     for label, tc in models:
         for seed in cc.seeds:
             run = out / label / f"seed{seed}"
-            done = (run / "eval.json").is_file()
-            if done:
-                continue
+            if (run / "eval.json").is_file():
+                continue  # finished earlier with the same settings (checked by _claim)
             print(f"== {label} seed {seed} -> {run}", flush=True)
-            train(dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path),
-                                      resume=ck.is_run(run), force=False))
+            train(_run_config(tc, seed, run, tok_path, resume=ck.is_run(run)))
     report = build_report(cc, models)
     ck.write_json(out / "report.json", report)
     (out / "report.md").write_text(render_markdown(report))
@@ -114,25 +113,54 @@ def compare(cc: CompareConfig) -> Path:
     return out
 
 
-def _claim(out: Path, cc: CompareConfig) -> None:
-    """Refuse to mix two different comparisons in one folder (unless --force)."""
-    meta = out / "compare.json"
-    if meta.is_file():
-        old = json.loads(meta.read_text())
-        if old != cc.to_dict():
-            if not cc.force:
-                diff = sorted(k for k in cc.to_dict() if old.get(k) != cc.to_dict()[k])
-                raise UserError(f"{out} holds a comparison with different settings ({', '.join(diff)}); "
-                                "use another --out or --force to start over")
-            for child in out.iterdir():
-                if child.is_dir() and any(child.glob("seed*/config.json")):
-                    for run in child.glob("seed*"):
-                        ck.remove_run(run)
-            (out / "tokenizer.json").unlink(missing_ok=True)
-    elif out.is_dir() and any(out.iterdir()) and not cc.force:
+def _run_config(tc: TrainConfig, seed: int, run: Path, tok_path: Path, resume: bool = False) -> TrainConfig:
+    return dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path), resume=resume)
+
+
+def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> Path:
+    """Check what ``out`` already holds; returns the shared tokenizer path.
+
+    Runs trained with exactly the settings asked for are reused (finished) or resumed; runs with
+    other settings are an error unless ``force``, which retrains just those. A different corpus
+    or vocabulary invalidates the shared tokenizer, hence every run.
+    """
+    meta_path, tok_path = out / "compare.json", out / "tokenizer.json"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if not meta_path.is_file() and out.is_dir() and any(out.iterdir()) and not cc.force:
         raise UserError(f"{out} is not empty and holds no comparison; choose another --out or pass --force")
+    vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
+    tok_key = {"data": cc.data, "vocab_size": vocab}
+    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    stale_tok = old.get("tokenizer") not in (None, tok_key)
+    conflicts = []
+    for label, tc in models:
+        for seed in cc.seeds:
+            run = out / label / f"seed{seed}"
+            if not ck.is_run(run):
+                continue
+            stored = ck.read_run_config(run)
+            want = _run_config(tc, seed, run, tok_path)
+            same = (stored["model"] == model_config(want).to_dict()
+                    and _comparable(stored.get("train", {})) == _comparable(want.to_dict()))
+            if stale_tok or not same:
+                conflicts.append(run)
+    if conflicts and not cc.force:
+        names = ", ".join(str(r.relative_to(out)) for r in conflicts[:4])
+        raise UserError(f"{out} holds runs trained with different settings ({names}); "
+                        "use another --out, or --force to retrain them")
+    for run in conflicts:
+        ck.remove_run(run)
+    if stale_tok:
+        tok_path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    ck.write_json(meta, cc.to_dict())
+    ck.write_json(meta_path, {**cc.to_dict(), "tokenizer": tok_key})
+    return tok_path
+
+
+def _comparable(train_cfg: dict[str, Any]) -> dict[str, Any]:
+    """Training settings that decide a run's result (not where or on what device it ran)."""
+    return {k: v for k, v in train_cfg.items() if k not in ("device", "out", "tokenizer")}
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:

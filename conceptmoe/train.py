@@ -37,7 +37,7 @@ from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_toke
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
 STRATEGIES = ("topk", "layers", "loop")
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
-_CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
+CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
                  "concept_pooling", "joint_decoding")
 # Changing these on --resume would make a different run.
 _IDENTITY = ("data", "batch_size", "seq_len", "seed")
@@ -119,10 +119,10 @@ def model_config(tc: TrainConfig) -> ModelConfig:
             from .match import match_config
 
             # Ablation knobs change the ConceptMoE, not the baseline it is matched to.
-            shared = {k: v for k, v in tc.overrides.items() if k not in _CONCEPT_ONLY}
+            shared = {k: v for k, v in tc.overrides.items() if k not in CONCEPT_ONLY}
             base = ModelConfig.from_preset(tc.preset, **{**shared, "kind": "moe"})
             mc = match_config(base, tc.ratio, tc.strategy).config
-            return mc.replace(**{k: v for k, v in tc.overrides.items() if k in _CONCEPT_ONLY})
+            return mc.replace(**{k: v for k, v in tc.overrides.items() if k in CONCEPT_ONLY})
         kind = {"kind": tc.model}
         if tc.model == "conceptmoe":
             kind["compression_ratio"] = tc.ratio

@@ -1,5 +1,6 @@
 """The MoE-versus-ConceptMoE comparison end to end on the tiny preset (conceptmoe/compare.py)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -64,6 +65,22 @@ def test_rerun_skips_finished_runs_and_refuses_other_settings(report_dir):
     assert {r: (r / "model.safetensors").stat().st_mtime_ns for r in out.glob("*/seed*")} == before
     with pytest.raises(UserError, match="different settings"):
         compare(_cfg(cc.data, out, seeds=[0], lr=1e-3))
+    assert {r: (r / "model.safetensors").stat().st_mtime_ns for r in out.glob("*/seed*")} == before
+
+
+def test_concept_knob_retrains_only_conceptmoe(tmp_path):
+    torch.set_num_threads(1)
+    corpus = make_corpus(tmp_path / "corpus")
+    out = compare(_cfg(corpus, tmp_path / "out"))
+    stamp = lambda label: (out / label / "seed0" / "model.safetensors").stat().st_mtime_ns  # noqa: E731
+    moe, cm = stamp("moe"), stamp("topk-R2")
+    tuned = _cfg(corpus, out, overrides={"ratio_loss_weight": 0.1})
+    with pytest.raises(UserError, match="topk-R2/seed0"):
+        compare(tuned)
+    compare(dataclasses.replace(tuned, force=True))
+    assert stamp("moe") == moe and stamp("topk-R2") != cm
+    cfg = json.loads((out / "topk-R2" / "seed0" / "config.json").read_text())
+    assert cfg["model"]["ratio_loss_weight"] == 0.1
 
 
 def test_interrupted_comparison_resumes(tmp_path):
