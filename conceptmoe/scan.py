@@ -62,12 +62,13 @@ def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK,
     W = torch.exp(_segsum(lb)).to(x.dtype).view(B * nb, block, block)  # W[j, i] = a_{i+1..j}
     if scale is not None:
         W = W * scale.reshape(B * nb, 1, block).to(x.dtype)
-    ends = (W[:, -1:] @ xb).view(B, nb, D)  # block-end states with zero incoming state
+    z = W @ xb  # (B*nb, Q, D) intra-block scan with zero incoming state
+    ends = z[:, -1].clone().view(B, nb, D)  # block-end states (clone: z is updated in place)
     block_log = lb.sum(-1).clamp_min(_LOG_FLOOR)  # (B, nb) decay across a whole block
     ends = linear_scan(ends, block_log, block)  # true states at block ends (recursive)
     incoming = F.pad(ends[:, :-1], (0, 0, 1, 0)).reshape(B * nb, 1, D)
     decay = torch.exp(lb.cumsum(-1)).to(x.dtype).view(B * nb, block, 1)  # block start -> j
-    z = (W @ xb).baddbmm_(decay, incoming)  # (B*nb, Q, D): intra-block + carried state
+    z.baddbmm_(decay, incoming)  # add the carried state, decayed from the block start
     return z.view(B, nb * block, D)[:, :C]
 
 
