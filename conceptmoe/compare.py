@@ -27,7 +27,7 @@ from .flops import count_flops
 from .tokenizer import save_tokenizer, train_tokenizer
 from .train import CONCEPT_ONLY, STRATEGIES, TrainConfig, model_config, train
 
-DEFAULT_COMPARE_TOKENS = 1_600_000
+DEFAULT_COMPARE_TOKENS = 2_000_000  # ~30-45 min for the default pair on 2 CPU cores
 ABLATIONS = {  # label suffix -> ModelConfig overrides
     "linear-router": {"chunk_router": "linear"},
     "fixed-chunks": {"chunk_router": "fixed"},

@@ -216,6 +216,7 @@ def train(tc: TrainConfig) -> Path:
         sampler.set_position(state["data_position"])
         ck.link_latest_weights(out, ckpt)
     ck.truncate_metrics(out, step)
+    (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
     _loop(tc, model, opt, sampler, step, out, val_ids, byte_lengths(tok, mc.vocab_size), device)
     final = evaluate_tokens(model, val_ids, byte_lengths(tok, mc.vocab_size), tc.seq_len)
     ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
