@@ -242,7 +242,8 @@ def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Pa
     eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
     byte_len_t = torch.from_numpy(byte_len).to(device)
     model.train()
-    bar = tqdm(total=total, initial=step, desc=out.name, unit="step", disable=not tc.progress,
+    label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
+    bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not tc.progress,
                dynamic_ncols=True, mininterval=1.0)
     with open(out / "metrics.jsonl", "a") as log:
         while step < total:

@@ -12,7 +12,7 @@ from conceptmoe.config import ModelConfig
 from conceptmoe.evaluate import evaluate, evaluate_tokens, windows
 from conceptmoe.match import match_config
 from conceptmoe.model import build_model
-from conceptmoe.train import TrainConfig, lr_factor, model_config, train
+from conceptmoe.train import TrainConfig, default_out, lr_factor, model_config, train
 from training_helpers import TINY, make_corpus
 
 
@@ -91,6 +91,15 @@ def test_lr_schedule():
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(f[9:], f[10:]))
     assert f[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_defaults_are_the_small_conceptmoe_at_r2():
+    tc = TrainConfig()
+    mc = model_config(tc)
+    assert mc.kind == "conceptmoe" and mc.compression_ratio == 2.0 and mc.extra["preset"] == "small"
+    assert mc == ModelConfig.from_preset("small")
+    assert tc.total_steps * tc.batch_size * tc.seq_len >= 1_600_000 > (tc.total_steps - 1) * 8 * 256
+    assert str(default_out(tc, mc)) == "runs/small-ConceptMoE-1L-top4-R2"
 
 
 def test_strategy_builds_the_matched_config():
