@@ -25,7 +25,7 @@ from .data import load_corpus
 from .errors import UserError
 from .flops import count_flops
 from .tokenizer import save_tokenizer, train_tokenizer
-from .train import CONCEPT_ONLY, STRATEGIES, TrainConfig, model_config, train
+from .train import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, train
 
 DEFAULT_COMPARE_TOKENS = 2_000_000  # ~30-45 min for the default pair on 2 CPU cores
 ABLATIONS = {  # label suffix -> ModelConfig overrides
@@ -75,8 +75,8 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
     """(label, TrainConfig for seed 0) of every model in the comparison, baseline first."""
     common = dict(preset=cc.preset, overrides=cc.overrides, data=cc.data, tokens=cc.tokens,
                   batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device)
-    # ConceptMoE-only knobs (--set ratio_loss_weight=..., ablations) leave the baseline alone.
-    moe_over = {k: v for k, v in cc.overrides.items() if k not in CONCEPT_ONLY}
+    # ConceptMoE-only knobs (ratio_loss_weight, the stage split, ablations) leave the baseline alone.
+    moe_over = {k: v for k, v in cc.overrides.items() if k not in MOE_IGNORED}
     models = [("moe", TrainConfig(model="moe", **{**common, "overrides": moe_over}))]
     for r in cc.ratios:
         for s in cc.strategies:

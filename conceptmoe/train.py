@@ -38,7 +38,10 @@ DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 
 STRATEGIES = ("topk", "layers", "loop")
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
-                 "concept_pooling", "joint_decoding")
+                "concept_pooling", "joint_decoding")
+# Fields a plain MoE ignores (its run config leaves them at the preset's values).
+MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
+                              "concept_loops", "concept_n_experts", "concept_top_k")
 # Changing these on --resume would make a different run.
 _IDENTITY = ("data", "batch_size", "seq_len", "seed")
 
