@@ -10,8 +10,9 @@ first-order linear recurrence z_j = x_j + a_j·z_{j−1} with x_j = p_j·c_j and
 2. the state at each block end is carried across blocks by the same scan, recursively, on a
    sequence Q times shorter;
 3. each position adds its block's incoming state times the decay since the block start.
-log a is clamped at log(1e-30) ≈ −69, so p = 1 (a = 0) gives weight ≈ 1e-30 instead of
-log(0) = −inf, and p = 0 gives log 1 = 0: no NaN or inf forward or backward.
+log a is clamped at log(1e-30) ≈ −69, so p = 1 (a = 0) gives no log(0) = −inf, and p = 0
+gives log 1 = 0: no NaN or inf forward or backward. Cumulative decays below e^-60 are set to
+exact zeros so that no fp32 denormals reach the matmuls (they are very slow on CPUs).
 
 ``ema_scan_reference`` is the sequential loop the tests and benchmark compare against.
 
@@ -23,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 32
+BLOCK = 16
 _LOG_FLOOR = -69.0  # exp(-69) ~ 1e-30: "zero" decay without -inf
+_LOG_ZERO = -60.0  # cumulative log-decays below this become exact zeros (exp(-60) ~ 9e-27):
+# left as they are they would produce fp32 denormals, which make CPU matmuls ~4x slower
 
 
 def _segsum(log_a: torch.Tensor) -> torch.Tensor:
@@ -35,7 +38,7 @@ def _segsum(log_a: torch.Tensor) -> torch.Tensor:
     x = x.masked_fill(~strict, 0.0)  # keep log_a[k] only where k > i
     seg = x.cumsum(dim=-2)  # seg[j, i] = sum_{i<k<=j} log_a[k]
     lower = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=log_a.device))
-    return seg.masked_fill(~lower, float("-inf"))
+    return seg.masked_fill(~lower | (seg < _LOG_ZERO), float("-inf"))
 
 
 def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK,
@@ -67,7 +70,9 @@ def linear_scan(x: torch.Tensor, log_a: torch.Tensor, block: int = BLOCK,
     block_log = lb.sum(-1).clamp_min(_LOG_FLOOR)  # (B, nb) decay across a whole block
     ends = linear_scan(ends, block_log, block)  # true states at block ends (recursive)
     incoming = F.pad(ends[:, :-1], (0, 0, 1, 0)).reshape(B * nb, 1, D)
-    decay = torch.exp(lb.cumsum(-1)).to(x.dtype).view(B * nb, block, 1)  # block start -> j
+    cum = lb.cumsum(-1)
+    decay = torch.exp(cum.masked_fill(cum < _LOG_ZERO, float("-inf")))  # block start -> j
+    decay = decay.to(x.dtype).view(B * nb, block, 1)
     z.baddbmm_(decay, incoming)  # add the carried state, decayed from the block start
     return z.view(B, nb * block, D)[:, :C]
 
