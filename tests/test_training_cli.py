@@ -102,6 +102,7 @@ def test_bad_flags(capsys, corpus, tmp_path):
     _fails(capsys, _tiny_train(corpus, tmp_path / "o", "--model", "moe", "--strategy", "topk"), "--strategy")
     _fails(capsys, _tiny_train(corpus, tmp_path / "o", "--ratio", "1"), "--ratio")
     _fails(capsys, _tiny_train(corpus, tmp_path / "o", "--batch-size", "0"), "--batch-size")
+    _fails(capsys, _tiny_train(corpus, tmp_path / "o", "--tokens", "100"), "not both")
     _fails(capsys, _tiny_train(corpus, tmp_path / "o", "--seq-len", "100000"), "fewer than --seq-len")
     _fails(capsys, ["eval", str(tmp_path)], "holds no run")
     _fails(capsys, ["compare", "--strategies", "topk,bogus", "--out", str(tmp_path / "c")], "--strategies")
