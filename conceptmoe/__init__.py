@@ -1,11 +1,14 @@
 """ConceptMoE: adaptive token-to-concept compression for mixture-of-experts LMs (arXiv 2601.21420).
 
-Public API: ``ModelConfig``, ``build_model``, ``ModelOutput``, and the compute accounting
-functions ``count_flops`` / ``match_config``.
+Layout (dependencies run one way: cli -> training / inference / bench -> model):
+``model/`` the method (§2-3), ``inference/`` cached decoding (§4), ``training/`` runs,
+``bench/`` benchmarks, ``cli/`` the command line.
 """
 
-from .config import ModelConfig
-from .model import ConceptMoELM, ModelOutput, MoELM, build_model
+from . import inference  # noqa: F401  (gives the models their ``generate`` method)
+from .model import ConceptMoELM, ModelConfig, ModelOutput, MoELM, build_model, count_flops, match_config
+from .training.checkpoint import load_run
 
-__all__ = ["ModelConfig", "build_model", "ModelOutput", "MoELM", "ConceptMoELM"]
+__all__ = ["ModelConfig", "build_model", "ModelOutput", "MoELM", "ConceptMoELM", "load_run",
+           "count_flops", "match_config"]
 __version__ = "0.1.0"

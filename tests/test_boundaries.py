@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from conceptmoe.boundaries import find_boundaries, render_html, render_terminal
-from conceptmoe.checkpoint import load_run
-from conceptmoe.train import TrainConfig, train
+from conceptmoe.training.boundaries import find_boundaries, render_html, render_terminal
+from conceptmoe.training.checkpoint import load_run
+from conceptmoe.training.train import TrainConfig, train
 from training_helpers import TINY, make_corpus
 
 TEXT = ("But, soft! what light through yonder window breaks?\n"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conceptmoe.chunking import (ChunkRouter, boundaries, fixed_boundaries, gather_concepts,
+from conceptmoe.model.chunking import (ChunkRouter, boundaries, fixed_boundaries, gather_concepts,
                                  ratio_loss, sharpen)
 
 

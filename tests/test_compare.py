@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from conceptmoe import checkpoint as ck
-from conceptmoe.compare import CompareConfig, compare, plan, verdict
+from conceptmoe.training import checkpoint as ck
+from conceptmoe.training.compare import CompareConfig, compare, plan, verdict
 from conceptmoe.errors import UserError
-from conceptmoe.flops import count_flops
-from conceptmoe.train import model_config
+from conceptmoe.model.flops import count_flops
+from conceptmoe.training.train import model_config
 from training_helpers import make_corpus
 
 

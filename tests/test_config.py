@@ -3,7 +3,7 @@ import json
 import pytest
 
 from conceptmoe import ModelConfig
-from conceptmoe.config import PRESETS, parse_overrides
+from conceptmoe.model.config import PRESETS, parse_overrides
 
 
 @pytest.mark.parametrize("field,value", [

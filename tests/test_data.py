@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conceptmoe.data import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Document, load_corpus,
+from conceptmoe.training.data import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Document, load_corpus,
                              play_files, read_documents, split_documents)
 from conceptmoe.errors import UserError
 from training_helpers import make_corpus

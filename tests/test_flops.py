@@ -6,8 +6,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conceptmoe import ModelConfig, build_model
 from conceptmoe.cli import main
-from conceptmoe.flops import count_flops
-from conceptmoe.match import match_config
+from conceptmoe.model.flops import count_flops
+from conceptmoe.model.match import match_config
 
 
 @pytest.mark.parametrize("kw", [

@@ -1,11 +1,11 @@
-"""Cached decoding (inference.py, generate.py, cache.py) against the full forward pass."""
+"""Cached decoding (inference/steps.py, generate.py, cache.py) against the full forward pass."""
 
 import pytest
 import torch
 
 from conceptmoe import ModelConfig, build_model
-from conceptmoe.cache import KVCache
-from conceptmoe.generate import compact, sample
+from conceptmoe.inference.cache import KVCache
+from conceptmoe.inference.generate import compact, sample
 from conceptmoe.inference import decode_step, prefill
 
 LENS = [5, 17, 9, 30]  # four prompts of different lengths

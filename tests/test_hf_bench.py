@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from conceptmoe.cli import main  # noqa: E402
-from conceptmoe.hf_bench import ARCHS, compare  # noqa: E402
+from conceptmoe.bench.moe import ARCHS, compare  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -7,11 +7,11 @@ import torch
 from safetensors.torch import save_model
 
 from conceptmoe import ModelConfig, build_model
-from conceptmoe import checkpoint as ck
+from conceptmoe.training import checkpoint as ck
 from conceptmoe.cli import main
-from conceptmoe.cli.inference import MARK, _render
-from conceptmoe.latency import calibrate_router
-from conceptmoe.tokenizer import save_tokenizer, train_tokenizer
+from conceptmoe.inference.text import MARK, render
+from conceptmoe.bench.calibrate import calibrate_router
+from conceptmoe.training.tokenizer import save_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,8 @@ def test_generate_streams_text_and_marks_concepts(run_dir, capsys):
 def test_render_marks_concept_starts(run_dir):
     tok = ck.load_run(run_dir, "cpu")[2]
     ids = tok.encode("abcd").ids
-    assert _render(tok, ids, {0, 2}, True) == f"{MARK}ab{MARK}cd"
-    assert _render(tok, ids, {0, 2}, False) == "abcd"
+    assert render(tok, ids, {0, 2}, True) == f"{MARK}ab{MARK}cd"
+    assert render(tok, ids, {0, 2}, False) == "abcd"
 
 
 @pytest.mark.parametrize("extra, message", [

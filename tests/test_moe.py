@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conceptmoe.moe import MoE
+from conceptmoe.model.moe import MoE
 
 
 def _moe(**kw):

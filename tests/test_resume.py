@@ -14,7 +14,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conceptmoe import checkpoint as ck
+from conceptmoe.training import checkpoint as ck
 from training_helpers import make_corpus, run_cli
 
 TIMING = ("tokens_per_s",)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conceptmoe.scan import ema_scan, ema_scan_reference, linear_scan
+from conceptmoe.model.scan import ema_scan, ema_scan_reference, linear_scan
 
 
 @pytest.mark.parametrize("C", [1, 7, 32, 33, 100, 1500])

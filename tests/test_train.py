@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from conceptmoe import checkpoint as ck
-from conceptmoe.config import ModelConfig
-from conceptmoe.evaluate import evaluate, evaluate_tokens, windows
-from conceptmoe.match import match_config
+from conceptmoe.training import checkpoint as ck
+from conceptmoe.model.config import ModelConfig
+from conceptmoe.training.evaluate import evaluate, evaluate_tokens, windows
+from conceptmoe.model.match import match_config
 from conceptmoe.model import build_model
-from conceptmoe.train import TrainConfig, default_out, lr_factor, model_config, train
+from conceptmoe.training.train import TrainConfig, default_out, lr_factor, model_config, train
 from training_helpers import TINY, make_corpus
 
 
@@ -113,7 +113,7 @@ def test_strategy_builds_the_matched_config():
 
 
 def test_chunk_router_gets_its_own_learning_rate(run):
-    from conceptmoe.train import make_optimizer
+    from conceptmoe.training.train import make_optimizer
 
     model = build_model(ModelConfig.from_preset("tiny"))
     opt = make_optimizer(model, TrainConfig(chunk_lr_mult=3.0))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conceptmoe.cli import main
-from conceptmoe.train import TrainConfig, train
+from conceptmoe.training.train import TrainConfig, train
 from training_helpers import TINY, make_corpus
 
 

@@ -11,24 +11,15 @@ import argparse
 import sys
 
 from ..errors import UserError
-
-_MODULES = ("compute", "training", "inference")
+from . import bench, compute, generate, training
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conceptmoe", description="Train, compare, run and benchmark ConceptMoE and MoE language models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    import importlib
-
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{name}":
-                continue  # command group not built yet
-            raise
-        mod.register(sub)
+    for group in (compute, training, generate, bench):
+        group.register(sub)
     return parser
 
 

@@ -3,7 +3,6 @@
     conceptmoe flops --preset small --json
     conceptmoe flops --preset paper --set kind=moe --seq-len 4096
     conceptmoe match --baseline small --ratio 2 --strategy topk --json
-    conceptmoe bench scan --concepts 4096 --dim 512
 """
 
 from __future__ import annotations
@@ -12,10 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import ModelConfig, parse_overrides
 from ..errors import UserError
-from ..flops import count_flops
-from ..match import STRATEGIES, match_config
+from ..model.config import ModelConfig, parse_overrides
+from ..model.flops import count_flops
+from ..model.match import STRATEGIES, match_config
 
 
 def _load_config(preset: str | None, config: str | None, sets: list[str] | None) -> ModelConfig:
@@ -73,19 +72,6 @@ def cmd_match(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_scan(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..bench_scan import run_and_report
-
-    if args.concepts < 1 or args.dim < 1 or args.repeats < 1 or args.batch < 1:
-        raise UserError("--concepts, --dim, --batch and --repeats must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run_and_report(args.concepts, args.dim, args.batch, args.repeats, "cpu", args.out)
-    return 0
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("flops", help="parameters, activated FLOPs/token, attention FLOPs, KV bytes",
                        description="Analytic compute accounting of a model config (CONCEPTMOE.md §3).")
@@ -108,16 +94,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the reported attention FLOPs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_match)
-
-    from .inference import _bench_subparsers  # the shared ``bench`` sub-command table
-
-    p = _bench_subparsers(sub).add_parser(
-        "scan", help="dechunk EMA: parallel scan vs sequential loop",
-        description="Time the parallel dechunk scan against the sequential loop (CONCEPTMOE.md §2.5).")
-    p.add_argument("--concepts", type=int, default=4096, help="sequence length in concepts (default 4096)")
-    p.add_argument("--dim", type=int, default=512, help="channels (default 512)")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median reported (default 7)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", help="also write scan.json into this directory")
-    p.set_defaults(func=cmd_bench_scan)

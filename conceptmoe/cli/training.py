@@ -15,6 +15,13 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..model.config import parse_overrides
+from ..training.boundaries import find_boundaries, render_html, render_terminal
+from ..training.compare import CompareConfig, compare
+from ..training.config import TrainConfig, resolve_train_config
+from ..training.data import read_text_file
+from ..training.evaluate import evaluate
+from ..training.train import train
 
 _TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
@@ -63,31 +70,15 @@ def _register_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def train_config_from_args(args: argparse.Namespace):
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from flags; with --resume, flags left out come from the stored run."""
-    from .. import checkpoint as ck
-    from ..config import parse_overrides
-    from ..train import TrainConfig, default_out, model_config
-
     given = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None}
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
-    if args.resume:
-        if args.force:
-            raise UserError("--resume and --force contradict each other")
-        probe = TrainConfig(**given)
-        out = Path(given.get("out") or default_out(probe, model_config(probe)))
-        if ck.is_run(out):
-            stored = TrainConfig.from_dict(ck.read_run_config(out).get("train", {})).to_dict()
-            if "max_steps" in given or "tokens" in given:
-                stored.pop("max_steps"), stored.pop("tokens")
-            given = {**stored, **given, "out": str(out)}
-    return TrainConfig(**given, resume=args.resume, force=args.force)
+    return resolve_train_config(given, args.resume, args.force)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from ..train import train
-
     out = train(train_config_from_args(args))
     ev = json.loads((out / "eval.json").read_text())
     print(f"run saved to {out}")
@@ -108,8 +99,6 @@ def _register_eval(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..evaluate import evaluate
-
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError("--batch-size must be a positive integer")
     res = evaluate(args.run, args.data, args.device, args.batch_size)
@@ -148,9 +137,6 @@ def _register_compare(sub) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..compare import CompareConfig, compare
-    from ..config import parse_overrides
-
     given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
                                           "out", "batch_size", "seq_len", "lr", "device")
              if getattr(args, k) is not None}
@@ -176,9 +162,6 @@ def _register_boundaries(sub) -> None:
 
 
 def cmd_boundaries(args: argparse.Namespace) -> int:
-    from ..boundaries import find_boundaries, render_html, render_terminal
-    from ..data import read_text_file
-
     text = args.text if args.text is not None else read_text_file(args.file)
     res = find_boundaries(args.run, text, args.device)
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_CORPUS = "shakespeare"
 HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")

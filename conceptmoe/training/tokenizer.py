@@ -19,7 +19,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .errors import UserError
+from ..errors import UserError
 
 BYTE_ALPHABET = 256
 

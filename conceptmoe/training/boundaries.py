@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from .checkpoint import load_run
-from .errors import UserError
 
 # Background colours cycled over concepts (ANSI 256-colour codes and their HTML equivalents).
 _ANSI = (153, 223, 194, 217, 189, 229)

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from ..errors import UserError
 from .config import ModelConfig
-from .errors import UserError
 from .flops import count_flops
 
 STRATEGIES = ("topk", "layers", "loop")

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from .checkpoint import load_run
 from .data import DOC_SEP, load_corpus, read_documents
-from .errors import UserError
 from .tokenizer import byte_lengths, encode_documents
 
 EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise

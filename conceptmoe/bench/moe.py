@@ -19,20 +19,22 @@ SDPA attention; ``hf_experts="eager"`` picks the loop. Models are compared in ev
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import UserError
-from .model import build_model
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..model.lm import build_model
 
 ARCHS = ("olmoe", "qwen2_moe", "qwen3_moe")
 
 
-def _transformers():
+def require_transformers():
     try:
         import transformers
     except ImportError:
@@ -56,7 +58,7 @@ def our_config(arch: str, preset: str = "small", n_layers: int | None = None) ->
 
 def hf_model(cfg: ModelConfig, arch: str, experts: str | None = None):
     """The Hugging Face causal LM with the same shapes as ``cfg`` (random weights)."""
-    tr = _transformers()
+    tr = require_transformers()
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
                   num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                   num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
@@ -157,6 +159,24 @@ class Comparison:
     def to_dict(self) -> dict:
         return {**asdict(self), "fwd_ratio_hf_over_ours": self.fwd_ratio,
                 "fwdbwd_ratio_hf_over_ours": self.fwdbwd_ratio}
+
+    def table_row(self) -> str:
+        return (f"{self.arch:<10} {self.part:<10} {self.tokens:>6} {self.max_abs_diff:>10.2e} "
+                f"{self.ours_fwd_s * 1e3:>7.1f}ms {self.hf_fwd_s * 1e3:>7.1f}ms {self.fwd_ratio:>7.2f} "
+                f"{self.ours_fwdbwd_s * 1e3:>7.1f}ms {self.hf_fwdbwd_s * 1e3:>7.1f}ms {self.fwdbwd_ratio:>7.2f}")
+
+
+TABLE_HEADER = (f"{'arch':<10} {'part':<10} {'tokens':>6} {'max|diff|':>10} {'fwd ours':>9} {'fwd HF':>9} "
+                f"{'HF/ours':>7} {'f+b ours':>9} {'f+b HF':>9} {'HF/ours':>7}")
+TOLERANCE = 1e-4  # largest output difference that counts as "the same model"
+
+
+def write_rows(rows: list[dict], out: str | Path) -> Path:
+    """``moe_bench.json`` (the ``to_dict`` rows) in the folder ``out``."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "moe_bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return path / "moe_bench.json"
 
 
 def compare(arch: str = "olmoe", preset: str = "small", n_layers: int | None = 2, batch: int = 2,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .scan import ema_scan, ema_scan_reference
+from ..model.scan import ema_scan, ema_scan_reference
 
 
 def _time(fn, repeats: int) -> list[float]:

@@ -13,7 +13,7 @@ cached key -> rows with p_t >= 0.5 step the concept model once (ragged concept c
 others do not touch theirs) and update z; the others carry z -> decoder step with joint
 decoding -> logits. Boundaries are always the deterministic p >= 0.5 (inference rule).
 
-The full forward pass of ``model.py`` is the reference: tests check every cached step against it.
+The full forward pass of ``model/lm.py`` is the reference: tests check every cached step against it.
 
 Shape legend: B batch, T tokens, C concepts, D d_model, V vocab, n rows stepping the concept model.
 """
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import rope_tables
+from ..model.attention import rope_tables
+from ..model.chunking import dechunk, gather_concepts
+from ..model.lm import Block, ConceptMoELM
 from .cache import ChunkState, DechunkState, InferenceState, KVCache
-from .chunking import dechunk, gather_concepts
-from .model import Block, ConceptMoELM
 
 
 @dataclass

@@ -8,26 +8,17 @@ them alike, and reports medians:
 - **prefill**: ``inference.prefill`` over ``prefill_batch`` rows of L random tokens (the
   forward pass that also fills the caches; logits of the last position only);
 - **decode**: seconds per ``decode_step`` (one new token for each of ``batch`` rows) with
-  ``kv`` tokens already cached. The caches are filled *synthetically* (random K/V of the
-  right shapes: kv token entries per token-rate layer, round(kv/R) concept entries per
-  concept layer and loop) instead of prefilling kv x batch tokens; each repeat rewinds them.
+  ``kv`` tokens already cached, filled synthetically (``decode_state.py``); each repeat
+  rewinds them.
 
-**Router calibration.** An untrained cosine router puts boundaries almost anywhere, so the
-benchmark sets it (``calibrate_router``) so that exactly a fraction 1/R of the benchmark's
-own (ĥ_t, ĥ_{t-1}) pairs are boundaries: W_q ĥ = (u·ĥ) e_1 + c e_2, W_k ĥ = (u·ĥ) e_1 ± c e_2
-(a random unit u, biases added), so q·k = (u·ĥ_t)(u·ĥ_{t-1}) + τ and p_t >= 0.5 exactly when
-that product <= -τ, with τ = -(the 1/R quantile). Encoder states do not depend on boundaries,
-so the calibration set is the benchmark input itself (prefill: the longest input; decode: one
-untimed pass over the timed steps). The cost of the router is unchanged (two d x d matmuls).
-Linear routers get the same treatment through their bias; fixed routers need none; trained
-runs are left alone. The realised compression is measured and reported every time.
+Untrained ConceptMoE routers are calibrated to the target ratio first (``calibrate.py``);
+trained runs are left alone. The realised compression is measured and reported every time.
 
 Speedup % = (t_MoE / t - 1) x 100, the paper's convention (+100% = twice as fast).
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,13 +27,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cache import ChunkState, DechunkState, InferenceState, KVCache
-from .config import ModelConfig
-from .errors import UserError
-from .flops import count_flops
-from .inference import decode_step, prefill
-from .match import match_config
-from .model import ConceptMoELM, build_model
+from ..errors import UserError
+from ..inference.cache import InferenceState
+from ..inference.steps import decode_step, prefill
+from ..model.config import ModelConfig
+from ..model.flops import count_flops
+from ..model.lm import build_model
+from ..model.match import match_config
+from .calibrate import calibrate_decode, calibrate_router
+from .decode_state import restore, snapshot, synthetic_state
 
 
 @dataclass
@@ -103,115 +96,6 @@ def build_bench_models(s: LatencySettings, load_run=None) -> list[BenchModel]:
     for b in out:
         b.model.to(device=dev, dtype=dtype).eval()
     return out
-
-
-@torch.no_grad()
-def calibrate_router(model: ConceptMoELM, h: torch.Tensor, h_prev: torch.Tensor, n_boundaries: int,
-                     seed: int = 0) -> None:
-    """Make exactly ``n_boundaries`` of the N pairs (h (N, D), h_prev (N, D)) boundaries."""
-    router, (N, D) = model.chunk, h.shape
-    k = min(max(n_boundaries, 0), N)
-    g = torch.Generator().manual_seed(seed)
-    u = torch.randn(D, generator=g).to(h)
-    u = u / u.norm()
-    if router.kind == "fixed":
-        return
-    x = (h.float() @ u.float())
-    if router.kind == "linear":  # p = sigmoid(u·h + bias) >= 0.5  <=>  u·h >= -bias
-        s = x.sort(descending=True).values
-        thr = s[0] + 1 if k == 0 else (s[k - 1] if k == N else (s[k - 1] + s[k]) / 2)
-        router.score.weight.copy_(u[None])
-        router.score.bias.fill_(-float(thr))
-        return
-    s = (x * (h_prev.float() @ u.float())).sort().values  # products, ascending
-    thr = s[0] - 1 if k == 0 else (s[-1] + 1 if k == N else (s[k - 1] + s[k]) / 2)
-    tau = -float(thr)  # boundary <=> product + tau <= 0
-    c = math.sqrt(abs(tau)) or 1e-6
-    for name, sign in (("wq", 1.0), ("wk", 1.0 if tau >= 0 else -1.0)):
-        lin = nn.Linear(D, D, bias=True).to(h)
-        lin.weight.zero_()
-        lin.weight[0] = u
-        lin.bias.zero_()
-        lin.bias[1] = sign * c
-        setattr(router, name, lin)
-
-
-def _fill(cache: KVCache, n: int, g: torch.Generator) -> None:
-    """Random K/V in entries [0, n) of every row (a random block tiled: cheap for long caches)."""
-    for buf in cache.k + cache.v:
-        blk = torch.randn(buf.shape[0], buf.shape[1], min(n, 256), buf.shape[3], generator=g).to(buf)
-        for i in range(0, n, blk.shape[2]):
-            j = min(n, i + blk.shape[2])
-            buf[:, :, i:j] = blk[:, :, :j - i]
-    cache.lengths = [n] * len(cache.lengths)
-
-
-def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0) -> InferenceState:
-    """A decode state as if ``kv`` tokens (and kv/R concepts) per row had been prefilled."""
-    cfg, p = model.cfg, next(model.parameters())
-    g = torch.Generator().manual_seed(seed)
-    new = lambda layers, n: KVCache.empty(layers, batch, cfg.n_kv_heads, cfg.head_dim,  # noqa: E731
-                                          n + extra + 1, p.dtype, p.device)
-    if not cfg.is_concept:
-        tokens = new(cfg.n_layers, kv)
-        _fill(tokens, kv, g)
-        return InferenceState(tokens=tokens)
-    tokens = new(cfg.n_encoder_layers + cfg.n_decoder_layers, kv)
-    _fill(tokens, kv, g)
-    n_con = max(1, round(kv / cfg.compression_ratio))
-    concepts = new(cfg.n_concept_layers * cfg.concept_loops, n_con)
-    _fill(concepts, n_con, g)
-    D = cfg.d_model
-    chunk = ChunkState(last_key=torch.randn(batch, D, generator=g).to(p))
-    if cfg.concept_pooling == "mean":
-        chunk.pool_sum = torch.zeros(batch, D).to(p)
-        chunk.pool_count = torch.zeros(batch, dtype=torch.long, device=p.device)
-    z = 0.02 * torch.randn(batch, D, generator=g).to(p)
-    return InferenceState(tokens, concepts, chunk, DechunkState(z), [[] for _ in range(batch)])
-
-
-def _snapshot(st: InferenceState) -> dict:
-    snap = {"tok": list(st.tokens.lengths)}
-    if st.concepts is not None:
-        snap.update(con=list(st.concepts.lengths), key=st.chunk.last_key, z=st.dechunk.z,
-                    pool=(st.chunk.pool_sum, st.chunk.pool_count))
-    return snap
-
-
-def _restore(st: InferenceState, snap: dict) -> None:
-    """Rewind a decode state: entries past the saved lengths are simply overwritten later."""
-    st.tokens.truncate(snap["tok"])
-    if st.concepts is not None:
-        st.concepts.truncate(snap["con"])
-        st.chunk.last_key, st.dechunk.z = snap["key"], snap["z"]
-        st.chunk.pool_sum, st.chunk.pool_count = snap["pool"]
-        st.boundaries = [[] for _ in st.boundaries]
-
-
-@torch.no_grad()
-def _calibrate_decode(b: BenchModel, st: InferenceState, tokens: torch.Tensor, seed: int) -> None:
-    """One untimed pass over the steps records ĥ; then calibrate and fix the starting key."""
-    snap, seen = _snapshot(st), []
-    router = b.model.chunk
-    orig = router.step
-
-    def record(h, last_key, pos):
-        seen.append(h.clone())
-        return orig(h, last_key, pos)
-
-    router.step = record
-    try:
-        for t in tokens:
-            decode_step(b.model, st, t)
-    finally:
-        del router.step
-    H = torch.stack(seen)  # (S, B, D); the step before step 0 is taken to be the last one
-    prev = torch.roll(H, 1, dims=0)
-    n = round(H.shape[0] * H.shape[1] / b.ratio)
-    calibrate_router(b.model, H.flatten(0, 1), prev.flatten(0, 1), n, seed)
-    _restore(st, snap)
-    if router.kind == "cosine":
-        st.chunk.last_key = router.wk(H[-1])
 
 
 def _median(xs: list[float]) -> float:
@@ -290,20 +174,20 @@ def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> lis
         for b in models:
             st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed)
             if b.calibrate:
-                _calibrate_decode(b, st, tokens, s.seed)
+                calibrate_decode(b.model, b.ratio, st, tokens, s.seed)
             else:  # warm-up pass
-                snap = _snapshot(st)
+                snap = snapshot(st)
                 with torch.no_grad():
                     for t in tokens:
                         decode_step(b.model, st, t)
-                _restore(st, snap)
-            states[b.name], snaps[b.name] = st, _snapshot(st)
+                restore(st, snap)
+            states[b.name], snaps[b.name] = st, snapshot(st)
         times = {b.name: [] for b in models}
         comps = {}
         for _ in range(s.repeats):
             for b in models:
                 st = states[b.name]
-                _restore(st, snaps[b.name])
+                restore(st, snaps[b.name])
                 n_bound = 0
                 _sync(dev)
                 t0 = time.perf_counter()
@@ -318,7 +202,7 @@ def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> lis
         base = _median(times[models[0].name])
         for b in models:
             st, t = states[b.name], _median(times[b.name])
-            _restore(st, snaps[b.name])
+            restore(st, snaps[b.name])
             esize = st.tokens.k[0].element_size()
             f = count_flops(b.cfg, compression=b.ratio, dtype_bytes=esize)
             rows.append({"model": b.name, "kv_len": kv, "batch": s.batch, "median_s": t,

@@ -8,134 +8,28 @@ seed on CPU a run killed at any moment and resumed equals an uninterrupted one s
 the checkpoint holds weights, optimizer, RNG (boundary noise draws from the global torch RNG)
 and the data position, and rows logged after the checkpoint are dropped on resume.
 
-The model is ``ModelConfig.from_preset(preset)`` of the requested kind; with ``strategy`` it is
-the ConceptMoE that ``match_config`` compute-matches to the preset's MoE baseline (§3).
+What is trained (and where) is a ``TrainConfig`` (``config.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..model.lm import build_model
 from . import checkpoint as ck
-from .config import ModelConfig
+from .config import RUN_IDENTITY, TrainConfig, default_out, model_config
 from .data import DOC_SEP, BatchSampler, load_corpus
-from .errors import UserError
 from .evaluate import evaluate_tokens
-from .model import build_model
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
-
-DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
-STRATEGIES = ("topk", "layers", "loop")
-# ConceptMoE fields that do not change the compute match: re-applied after matching.
-CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
-                "concept_pooling", "joint_decoding")
-# Fields a plain MoE ignores (its run config leaves them at the preset's values).
-MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
-                              "concept_loops", "concept_n_experts", "concept_top_k")
-# Changing these on --resume would make a different run.
-_IDENTITY = ("data", "batch_size", "seq_len", "seed")
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run needs besides the data itself (stored in config.json)."""
-
-    model: str = "conceptmoe"  # "conceptmoe" or "moe"
-    preset: str = "small"
-    ratio: float = 2.0  # target compression R (ConceptMoE)
-    strategy: str | None = None  # "topk" | "layers" | "loop": compute-matched to the MoE preset
-    overrides: dict[str, Any] = field(default_factory=dict)  # --set key=value
-    data: str | None = None  # None: the Shakespeare corpus
-    out: str | None = None  # None: runs/<preset>-<model name>
-    max_steps: int | None = None  # None: from tokens (default DEFAULT_TOKENS)
-    tokens: int | None = None
-    save_every: int = 100
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 2e-3
-    warmup_steps: int | None = None  # None: 5% of the steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    chunk_lr_mult: float = 1.0  # learning-rate multiplier of the chunk router
-    seed: int = 0
-    device: str = "auto"
-    eval_every: int | None = None  # None: ~10 validations per run; 0: none
-    eval_tokens: int = 32768  # size of the held-out slice validated during training
-    tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
-    resume: bool = False
-    force: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.model not in ("conceptmoe", "moe"):
-            raise UserError(f"--model must be conceptmoe or moe (got {self.model!r})")
-        if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {self.strategy!r})")
-        if self.strategy and self.model == "moe":
-            raise UserError("--strategy builds a compute-matched ConceptMoE; it cannot be combined with --model moe")
-        if self.max_steps is not None and self.tokens is not None:
-            raise UserError("give --max-steps or --tokens, not both")
-        for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")
-        if self.seq_len < 2:
-            raise UserError("--seq-len must be at least 2")
-        if not self.lr > 0 or self.grad_clip <= 0 or self.chunk_lr_mult < 0:
-            raise UserError("--lr and grad_clip must be > 0 and chunk_lr_mult >= 0")
-        if self.ratio <= 1:
-            raise UserError(f"--ratio must be > 1 (got {self.ratio})")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for transient in ("resume", "force", "progress"):
-            d.pop(transient)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-    @property
-    def total_steps(self) -> int:
-        if self.max_steps is not None:
-            return self.max_steps
-        return max(1, math.ceil((self.tokens or DEFAULT_TOKENS) / (self.batch_size * self.seq_len)))
-
-
-def model_config(tc: TrainConfig) -> ModelConfig:
-    """The ModelConfig a TrainConfig asks for (preset, kind, R, matching strategy, --set)."""
-    try:
-        if tc.strategy:
-            from .match import match_config
-
-            # Ablation knobs change the ConceptMoE, not the baseline it is matched to.
-            shared = {k: v for k, v in tc.overrides.items() if k not in CONCEPT_ONLY}
-            base = ModelConfig.from_preset(tc.preset, **{**shared, "kind": "moe"})
-            mc = match_config(base, tc.ratio, tc.strategy).config
-            return mc.replace(**{k: v for k, v in tc.overrides.items() if k in CONCEPT_ONLY})
-        kind = {"kind": tc.model}
-        if tc.model == "conceptmoe":
-            kind["compression_ratio"] = tc.ratio
-        return ModelConfig.from_preset(tc.preset, **{**kind, **tc.overrides})
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
-
-
-def default_out(tc: TrainConfig, mc: ModelConfig) -> Path:
-    return Path("runs") / f"{tc.preset}-{mc.name}"
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -176,7 +70,7 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig) -> Path:
         if diff:
             raise UserError(f"--resume: {out} holds a run with a different model config (differs in: {', '.join(diff)})")
         old = stored.get("train", {})
-        diff = [k for k in _IDENTITY if old.get(k) != getattr(tc, k)]
+        diff = [k for k in RUN_IDENTITY if old.get(k) != getattr(tc, k)]
         if diff:
             raise UserError(f"--resume: {out} was trained with different {', '.join(diff)}")
         return out

@@ -64,7 +64,7 @@ class Block(nn.Module):
         return self.ffn(x, valid, dispatch)
 
 
-class _LMBase(nn.Module):
+class LanguageModel(nn.Module):
     """Embedding, final norm, LM head, init and loss shared by both models."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -108,18 +108,11 @@ class _LMBase(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                 attention_mask: torch.Tensor | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``generate.py``."""
-        from .generate import generate  # generate.py imports this module
-
-        return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                        attention_mask, use_cache, generator)
+    # ``generate(...)`` is attached by ``conceptmoe.inference.generate``: model/ never imports
+    # inference/ (inference drives the model, not the other way round).
 
 
-class MoELM(_LMBase):
+class MoELM(LanguageModel):
     """Baseline: n_layers MoE blocks at token rate."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -139,7 +132,7 @@ class MoELM(_LMBase):
         return out
 
 
-class ConceptMoELM(_LMBase):
+class ConceptMoELM(LanguageModel):
     """Encoder (token rate) -> chunk -> concept model (concept rate) -> dechunk -> decoder."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -200,6 +193,6 @@ class ConceptMoELM(_LMBase):
         return out
 
 
-def build_model(cfg: ModelConfig) -> _LMBase:
+def build_model(cfg: ModelConfig) -> LanguageModel:
     """Instantiate the model a config describes (``cfg.kind``: "moe" or "conceptmoe")."""
     return ConceptMoELM(cfg) if cfg.is_concept else MoELM(cfg)

@@ -23,7 +23,8 @@ from typing import Iterator
 
 import torch
 
-from .inference import decode_step, prefill
+from ..model.lm import LanguageModel
+from .steps import decode_step, prefill
 
 
 @dataclass
@@ -149,3 +150,18 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     if new:
         out[:, :len(new)] = torch.stack(new, 1)
     return torch.cat([input_ids, out], 1)
+
+
+def _generate_method(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                     top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+                     attention_mask: torch.Tensor | None = None, use_cache: bool = True,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``inference/generate.py``."""
+    return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                    attention_mask, use_cache, generator)
+
+
+# The dependency runs one way (inference uses the model), so the models get their ``generate``
+# method from here rather than importing this module. ``import conceptmoe`` (which any import
+# of a submodule runs first) loads this module, so every model has the method.
+LanguageModel.generate = _generate_method

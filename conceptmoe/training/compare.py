@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..model.flops import count_flops
 from . import checkpoint as ck
-from .config import ModelConfig
+from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config
 from .data import load_corpus
-from .errors import UserError
-from .flops import count_flops
 from .tokenizer import save_tokenizer, train_tokenizer
-from .train import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, train
+from .train import train
 
 DEFAULT_COMPARE_TOKENS = 2_000_000  # ~30-45 min for the default pair on 2 CPU cores
 ABLATIONS = {  # label suffix -> ModelConfig overrides
@@ -214,7 +215,7 @@ def verdict(rows: list[dict]) -> list[str]:
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     head = (f"# MoE vs ConceptMoE ({s['preset']} preset)\n\n"
-            f"Data: {s['data'] or 'Shakespeare (held-out plays: see conceptmoe/data.py)'}; "
+            f"Data: {s['data'] or 'Shakespeare (held-out plays: see conceptmoe/training/data.py)'}; "
             f"{s['tokens']:,} training tokens per model; batch {s['batch_size']} x {s['seq_len']}; "
             f"lr {s['lr']:g}; seeds {', '.join(map(str, s['seeds']))}.\n"
             f"FLOPs are analytic (conceptmoe/flops.py) at the target R; attention-map FLOPs at "

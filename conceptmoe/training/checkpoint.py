@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from .config import ModelConfig
-from .errors import UserError
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..model.lm import build_model
+from .tokenizer import load_tokenizer
 
 RUN_FORMAT = "conceptmoe-run"
 RUN_VERSION = 1
@@ -230,9 +232,6 @@ def resolve_device(name: str | None) -> torch.device:
 
 def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
     """(model in eval mode, ModelConfig, tokenizer, run config dict) of a trained run."""
-    from .model import build_model
-    from .tokenizer import load_tokenizer
-
     run_dir = Path(run_dir)
     run_cfg = read_run_config(run_dir)
     cfg = model_config_of(run_cfg)

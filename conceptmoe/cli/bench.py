@@ -1,0 +1,157 @@
+"""``conceptmoe bench latency | scan | moe``: benchmarks that print a table and write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..bench.latency import LatencySettings, run_latency
+from ..bench.latency_report import format_table, write_outputs
+from ..bench.moe import ARCHS, TABLE_HEADER, TOLERANCE, require_transformers, write_rows
+from ..bench.moe import compare as compare_moe
+from ..bench.scan import run_and_report
+from ..errors import UserError
+from ..training.checkpoint import load_run
+
+
+def _ints(text: str) -> list[int]:
+    if text.strip().lower() in ("", "none", "0"):
+        return []
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _words(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("bench", help="benchmarks: latency (MoE vs ConceptMoE), scan, moe (vs transformers)",
+                            description="Benchmarks.")
+    bench = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench.required = True
+    lat = bench.add_parser("latency", help="prefill and decode latency: MoE vs matched ConceptMoE",
+                           description="Prefill and per-token decode latency of the MoE baseline "
+                                       "and compute-matched ConceptMoE models, interleaved, medians. "
+                                       "Writes latency.json and latency.png to --out.")
+    lat.add_argument("--prefill-lens", type=_ints, default=[1024, 2048, 4096, 8192, 16384],
+                     help="prompt lengths (default 1024,2048,4096,8192,16384; 'none' skips prefill)")
+    lat.add_argument("--kv-lens", type=_ints, default=[1024, 4096, 16384],
+                     help="cached tokens for the decode benchmark (default 1024,4096,16384; 'none' skips)")
+    lat.add_argument("--batch", type=int, default=8, help="decode batch rows (default 8)")
+    lat.add_argument("--prefill-batch", type=int, default=1, help="prefill batch rows (default 1)")
+    lat.add_argument("--preset", default="small", help="MoE baseline preset (default small)")
+    lat.add_argument("--ratios", type=_floats, default=[2.0], help="compression ratios R (default 2)")
+    lat.add_argument("--strategies", type=_words, default=["topk", "layers"],
+                     help="compute-matching strategies: topk,layers,loop (default topk,layers)")
+    lat.add_argument("--run", action="append", default=[], metavar="DIR",
+                     help="also time a trained run (repeatable; its router is not calibrated)")
+    lat.add_argument("--repeats", type=int, default=3, help="timed repeats per model and length (default 3)")
+    lat.add_argument("--decode-steps", type=int, default=16, help="decode steps per repeat (default 16)")
+    lat.add_argument("--threads", type=int, default=0,
+                     help="torch threads (default: torch's choice; 1 is steadier on a shared CPU)")
+    lat.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    lat.add_argument("--seed", type=int, default=0)
+    lat.add_argument("--out", default="bench_out/latency", help="output directory (default bench_out/latency)")
+    lat.set_defaults(func=cmd_bench_latency)
+
+    moe = bench.add_parser("moe", help="our MoE block and model vs Hugging Face transformers",
+                           description="Copy our weights into the Hugging Face OLMoE / Qwen2-MoE / "
+                                       "Qwen3-MoE implementation (small random config, no download), "
+                                       "check outputs agree within 1e-4 and compare forward and "
+                                       "forward+backward time. Needs `pip install -e '.[hf]'`.")
+    moe.add_argument("--arch", default="all", help="olmoe, qwen2_moe, qwen3_moe or all (default all)")
+    moe.add_argument("--preset", default="small", help="sizes from this preset (default small)")
+    moe.add_argument("--layers", type=int, default=2, help="layers of the model comparison (default 2)")
+    moe.add_argument("--batch", type=int, default=2, help="batch rows (default 2)")
+    moe.add_argument("--seq-len", type=int, default=512, help="tokens per row (default 512)")
+    moe.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
+    moe.add_argument("--hf-experts", default=None,
+                     help="Hugging Face experts implementation: eager or grouped_mm (default: its own default)")
+    moe.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    moe.add_argument("--out", default=None, help="also write moe_bench.json into this directory")
+    moe.set_defaults(func=cmd_bench_moe)
+
+    p = bench.add_parser(
+        "scan", help="dechunk EMA: parallel scan vs sequential loop",
+        description="Time the parallel dechunk scan against the sequential loop (CONCEPTMOE.md §2.5).")
+    p.add_argument("--concepts", type=int, default=4096, help="sequence length in concepts (default 4096)")
+    p.add_argument("--dim", type=int, default=512, help="channels (default 512)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median reported (default 7)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", help="also write scan.json into this directory")
+    p.set_defaults(func=cmd_bench_scan)
+
+
+def cmd_bench_latency(args) -> int:
+    def load(run_dir):
+        return load_run(run_dir, args.device)[0]
+
+    s = LatencySettings(preset=args.preset, ratios=args.ratios, strategies=args.strategies,
+                        runs=args.run, prefill_lens=args.prefill_lens, kv_lens=args.kv_lens,
+                        batch=args.batch, prefill_batch=args.prefill_batch, repeats=args.repeats,
+                        decode_steps=args.decode_steps, seed=args.seed, device=args.device,
+                        threads=args.threads)
+    if not s.prefill_lens and not s.kv_lens:
+        raise UserError("nothing to do: both --prefill-lens and --kv-lens are empty")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    result = run_latency(s, load, log)
+    paths = write_outputs(result, args.out)
+    print(format_table(result), end="")
+    print(f"wrote {paths['json']} and {paths['plot']}")
+    return 0
+
+
+def cmd_bench_moe(args) -> int:
+    archs = list(ARCHS) if args.arch == "all" else [args.arch]
+    if any(a not in ARCHS for a in archs):
+        raise UserError(f"unknown --arch {args.arch!r}; choose from {', '.join(ARCHS)} or all")
+    if any(n < 1 for n in (args.layers, args.batch, args.seq_len, args.repeats)):
+        raise UserError("--layers, --batch, --seq-len and --repeats must be >= 1")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _bench_moe(args, archs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench_moe(args, archs: list[str]) -> int:
+    require_transformers()  # a one-line error when transformers is missing
+    rows = []
+    print(TABLE_HEADER)
+    for arch in archs:
+        for c in compare_moe(arch, args.preset, args.layers, args.batch, args.seq_len, args.repeats,
+                             args.hf_experts):
+            rows.append(c.to_dict())
+            print(c.table_row(), flush=True)
+    if args.out:
+        print(f"wrote {write_rows(rows, args.out)}")
+    bad = [r for r in rows if r["max_abs_diff"] > TOLERANCE]
+    if bad:
+        print(f"error: outputs differ by more than {TOLERANCE:g} for "
+              f"{', '.join(r['arch'] + '/' + r['part'] for r in bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_bench_scan(args: argparse.Namespace) -> int:
+    if args.concepts < 1 or args.dim < 1 or args.repeats < 1 or args.batch < 1:
+        raise UserError("--concepts, --dim, --batch and --repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run_and_report(args.concepts, args.dim, args.batch, args.repeats, "cpu", args.out)
+    return 0

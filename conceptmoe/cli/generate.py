@@ -1,0 +1,49 @@
+"""``conceptmoe generate``: stream a continuation from a trained run (CONCEPTMOE.md §4)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..errors import UserError
+from ..inference.text import MARK, TextStats, stream_text
+from ..training.checkpoint import load_run
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a trained run (streamed, KV-cached)",
+                       description="Generate text from a trained run directory with the KV cache "
+                                   "(concept-level cache for ConceptMoE), streaming it as it comes.")
+    p.add_argument("run", metavar="RUN", help="run directory written by `conceptmoe train`")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--show-concepts", action="store_true",
+                   help=f"print '{MARK}' before every token that starts a concept (ConceptMoE)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.temperature < 0 or (args.top_k is not None and args.top_k < 1) or \
+            (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise UserError("need --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
+    model, _, tok, _ = load_run(args.run, args.device)
+    gen = None
+    if args.seed is not None:
+        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
+    stats = TextStats()
+    for piece in stream_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                             args.top_p, gen, args.show_concepts, stats):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(stats.summary(), file=sys.stderr)
+    return 0
