@@ -99,7 +99,8 @@ def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float) -
     """Boundary decisions (B, T) bool. Training with noise samples from the global torch RNG."""
     if training and noise:
         with torch.no_grad():
-            b = torch.bernoulli(sharpen(p.detach(), sharpness)).bool()
+            # A diverged router (p NaN) must reach the loss as NaN, not crash the sampler.
+            b = torch.bernoulli(sharpen(p.detach(), sharpness).nan_to_num(0.5)).bool()
     else:
         b = p >= 0.5
     b[:, 0] = True  # a sequence always starts a concept (p_0 = 1 already; be exact)
