@@ -35,6 +35,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int = 4  # grouped-query attention when < n_heads
     n_layers: int = 8  # total blocks (encoder + concept + decoder for ConceptMoE)
+    head_size: int = 0  # per-head dimension; 0: d_model // n_heads (Qwen3-MoE sets its own)
     # --- MoE feed-forward (§2b) ---
     n_experts: int = 32
     top_k: int = 4
@@ -75,12 +76,14 @@ class ModelConfig:
                      "top_k", "expert_hidden", "concept_loops"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        if self.d_model % self.n_heads:
-            bad("d_model", f"must be divisible by n_heads={self.n_heads}")
+        if not isinstance(self.head_size, int) or self.head_size < 0:
+            bad("head_size", "must be an integer >= 0 (0: d_model // n_heads)")
+        if not self.head_size and self.d_model % self.n_heads:
+            bad("d_model", f"must be divisible by n_heads={self.n_heads} (or set head_size)")
         if self.n_heads % self.n_kv_heads:
             bad("n_kv_heads", f"must divide n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            bad("d_model", "head dimension d_model/n_heads must be even for RoPE")
+        if self.head_dim % 2:
+            bad("head_size" if self.head_size else "d_model", "head dimension must be even for RoPE")
         if self.top_k > self.n_experts:
             bad("top_k", f"must be <= n_experts={self.n_experts}")
         if self.n_shared_experts < 0 or self.shared_hidden < 0:
@@ -114,7 +117,7 @@ class ModelConfig:
     # ----- derived sizes -----
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def is_concept(self) -> bool:
