@@ -39,7 +39,7 @@ def test_ratio_loss_gradient_sign(R, density):
 def test_sharpen_pushes_to_extremes_and_keeps_half():
     p = torch.tensor([0.0, 0.1, 0.4, 0.5, 0.6, 0.9, 1.0])
     s = sharpen(p, 6.0)
-    assert torch.all((s >= p) | (p <= 0.5)) and torch.all((s <= p) | (p > 0.5))
+    assert torch.all((s >= p) | (p < 0.5)) and torch.all((s <= p) | (p >= 0.5))
     assert s[0] == 0 and s[-1] == 1
     r = sharpen(torch.rand(1000), 6.0)
     assert (r >= 0).all() and (r <= 1).all()

@@ -6,10 +6,7 @@ from conceptmoe import ModelConfig, build_model
 
 
 def tiny_model(kind: str = "conceptmoe", **overrides):
-    m = build_model(ModelConfig.from_preset("tiny", kind=kind, **overrides))
-    if kind == "conceptmoe" and m.cfg.chunk_router == "linear":
-        torch.nn.init.normal_(m.chunk.score.weight, std=0.5)  # zero init makes every p = 1/R
-    return m
+    return build_model(ModelConfig.from_preset("tiny", kind=kind, **overrides))
 
 VARIANTS = [
     {"kind": "moe"},

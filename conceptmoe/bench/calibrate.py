@@ -35,8 +35,8 @@ def calibrate_router(model: ConceptMoELM, h: torch.Tensor, h_prev: torch.Tensor,
     if router.kind == "fixed":
         return
     x = (h.float() @ u.float())
-    if router.kind == "linear":  # p = sigmoid(u·h + bias) >= 0.5  <=>  u·h >= -bias
-        s = x.sort(descending=True).values
+    if router.kind == "linear":  # p = sigmoid(u·ĥ + bias) >= 0.5  <=>  u·ĥ >= -bias, ĥ = h/rms(h)
+        s = (router.linear_input(h) @ u.float()).sort(descending=True).values
         thr = s[0] + 1 if k == 0 else (s[k - 1] if k == N else (s[k - 1] + s[k]) / 2)
         router.score.weight.copy_(u[None])
         router.score.bias.fill_(-float(thr))

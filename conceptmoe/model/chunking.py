@@ -1,9 +1,12 @@
 """Chunk and dechunk modules: token -> concept compression and back (CONCEPTMOE.md §2, items 2–5).
 
 - ``ChunkRouter``: boundary probabilities p_t. ``cosine`` (the paper's router):
-  p_t = clamp((1 - cos(W_q h_t, W_k h_{t-1})) / 2, 0, 1); ``linear``: sigmoid of a linear score;
-  ``fixed``: every R-th token (ablations). p_0 = 1 always.
+  p_t = clamp((1 - cos(W_q h_t, W_k h_{t-1})) / 2, 0, 1); ``linear``: sigmoid of a linear score
+  of the RMS-normalised state, w·h_t/rms(h_t) + c; ``fixed``: every R-th token (ablations).
+  p_0 = 1 always.
 - ``boundaries``: p >= 0.5 in eval, Bernoulli(sharpen(p)) while training ("boundary noise").
+  Both rules put p = 0.5 on the boundary side, so eval and training agree on which side of
+  the threshold a probability lies.
 - ``ratio_loss``: keeps the realised compression near R.
 - ``gather_concepts``: the padded (B, C, D) concept tensor (boundary state or mean since the
   previous boundary), its mask and per-concept probabilities.
@@ -15,14 +18,16 @@ Shape legend: B batch, T tokens, C concepts (max over the batch), D d_model.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .scan import ema_scan
+
+LINEAR_INIT_SPREAD = 2.0  # std of the linear router's initial scores (see ChunkRouter)
 
 
 @dataclass
@@ -51,9 +56,15 @@ class ChunkRouter(nn.Module):
             nn.init.eye_(self.wq.weight)
             nn.init.eye_(self.wk.weight)
         elif kind == "linear":
+            # The score reads the RMS-normalised state, so its spread does not depend on the
+            # residual stream's scale: w ~ N(0, s²/d) gives scores ~ N(c, s²) across tokens, and
+            # c puts a fraction 1/R of them above 0 (p >= 0.5) at the start, in eval and (through
+            # sharpen) in training alike. A zero w would make every p equal, so eval would take
+            # all tokens or none.
             self.score = nn.Linear(d, 1, bias=True)
-            nn.init.zeros_(self.score.weight)
-            nn.init.constant_(self.score.bias, -math.log(ratio - 1))  # sigmoid = 1/R at start
+            nn.init.normal_(self.score.weight, std=LINEAR_INIT_SPREAD / d ** 0.5)
+            nn.init.constant_(self.score.bias,
+                              -LINEAR_INIT_SPREAD * NormalDist().inv_cdf(1 - 1 / ratio))
 
     def forward(self, h: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """h: (B, T, D) -> p: (B, T) in [0, 1], with p = 1 at absolute position 0."""
@@ -64,7 +75,7 @@ class ChunkRouter(nn.Module):
             k_prev = torch.cat([k[:, :1], k[:, :-1]], dim=1)  # position 0 is overwritten below
             p = ((1 - F.cosine_similarity(q.float(), k_prev.float(), dim=-1)) / 2).clamp(0, 1)
         elif self.kind == "linear":
-            p = torch.sigmoid(self.score(h).squeeze(-1).float())
+            p = self._linear(h)
         else:
             p = fixed_boundaries(pos, self.ratio).float().expand(B, T)
         return torch.where(pos == 0, torch.ones_like(p), p)
@@ -79,10 +90,21 @@ class ChunkRouter(nn.Module):
                 last_key = key  # only reached at position 0, where p is overwritten below
             p = ((1 - F.cosine_similarity(q.float(), last_key.float(), dim=-1)) / 2).clamp(0, 1)
         elif self.kind == "linear":
-            p = torch.sigmoid(self.score(h).squeeze(-1).float())
+            p = self._linear(h)
         else:
             p = fixed_boundaries(pos, self.ratio).float()
         return torch.where(pos == 0, torch.ones_like(p), p), key
+
+    @staticmethod
+    def linear_input(h: torch.Tensor) -> torch.Tensor:
+        """What the linear router's score reads: h / rms(h) in fp32, (..., D)."""
+        hf = h.float()
+        return hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def _linear(self, h: torch.Tensor) -> torch.Tensor:
+        """Linear router: sigmoid(w · h/rms(h) + c), h (..., D) -> p (...)."""
+        score = F.linear(self.linear_input(h), self.score.weight.float(), self.score.bias.float())
+        return torch.sigmoid(score.squeeze(-1))
 
 
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -91,8 +113,11 @@ def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def sharpen(p: torch.Tensor, s: float) -> torch.Tensor:
-    """Push p toward 0/1: p^(1/s) above 0.5, 1 - (1-p)^(1/s) below (sharpness s)."""
-    return torch.where(p > 0.5, p.pow(1 / s), 1 - (1 - p).pow(1 / s))
+    """Push p toward 0/1: p^(1/s) from 0.5 up, 1 - (1-p)^(1/s) below (sharpness s).
+
+    p = 0.5 goes up (to 0.5^(1/s)), like the eval rule p >= 0.5 that makes it a boundary.
+    """
+    return torch.where(p >= 0.5, p.pow(1 / s), 1 - (1 - p).pow(1 / s))
 
 
 def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float) -> torch.Tensor:

@@ -1,0 +1,79 @@
+"""The cosine router against the formula, with random independent W_q != W_k (CONCEPTMOE.md §2.2).
+
+The identity start makes W_q = W_k, which hides a swap of the two; these tests use random
+weights and compare the full form (``ChunkRouter.forward``), the cached one-token form
+(``ChunkRouter.step``) and the model's prefill key with (1 - cos(W_q h_t, W_k h_{t-1})) / 2.
+"""
+
+import torch
+
+from conceptmoe.inference import prefill
+from conceptmoe.model.chunking import ChunkRouter
+from method_helpers import hand_cosine_p, trained_like
+
+D = 16
+
+
+def _random_router(seed: int = 0) -> ChunkRouter:
+    torch.manual_seed(seed)
+    router = ChunkRouter(D, "cosine")
+    with torch.no_grad():
+        router.wq.weight.normal_()
+        router.wk.weight.normal_()  # independent of W_q
+    return router
+
+
+def test_forward_matches_formula_and_not_the_swapped_one():
+    router = _random_router()
+    h = torch.randn(3, 20, D)
+    p = router(h)
+    wq, wk = router.wq.weight.detach(), router.wk.weight.detach()
+    want = hand_cosine_p(h.double(), wq.double(), wk.double()).float()
+    torch.testing.assert_close(p, want, atol=1e-6, rtol=0)
+    swapped = hand_cosine_p(h, wk, wq)
+    assert (swapped - want)[:, 1:].abs().max() > 0.05  # the input can tell W_q from W_k
+
+
+def test_forward_with_offset_keeps_the_first_pair():
+    router = _random_router(1)
+    h = torch.randn(2, 12, D)
+    full = router(h)
+    tail = router(h[:, 4:], offset=4)
+    # Position 4's p needs h_3, which the tail does not see: only the later positions agree.
+    torch.testing.assert_close(tail[:, 1:], full[:, 5:], atol=1e-6, rtol=0)
+    assert torch.all(full[:, 0] == 1)
+
+
+def test_step_matches_formula_and_returns_the_key():
+    router = _random_router(2)
+    h = torch.randn(3, 15, D)
+    wq, wk = router.wq.weight.detach(), router.wk.weight.detach()
+    want = hand_cosine_p(h.double(), wq.double(), wk.double()).float()
+    key = None
+    for t in range(h.shape[1]):
+        p, key_new = router.step(h[:, t], key, torch.full((3,), t))
+        torch.testing.assert_close(p, want[:, t], atol=1e-6, rtol=0)
+        torch.testing.assert_close(key_new, h[:, t] @ wk.T, atol=1e-5, rtol=1e-5)  # W_k h_t is cached
+        key = key_new
+
+
+def test_step_with_a_hand_made_key():
+    """p_t against a cached key computed outside the module: W_q acts on h_t, the key is W_k h_{t-1}."""
+    router = _random_router(3)
+    h_prev, h = torch.randn(4, D), torch.randn(4, D)
+    wq, wk = router.wq.weight.detach(), router.wk.weight.detach()
+    p, _ = router.step(h, h_prev @ wk.T, torch.full((4,), 7))
+    q, k = h @ wq.T, h_prev @ wk.T
+    want = (1 - (q * k).sum(-1) / (q.norm(dim=-1) * k.norm(dim=-1))) / 2
+    torch.testing.assert_close(p, want, atol=1e-6, rtol=0)
+
+
+def test_prefill_caches_the_key_of_the_last_real_token():
+    model = trained_like(seed=4).eval()
+    ids = torch.randint(0, 256, (3, 11))
+    lengths = torch.tensor([11, 4, 7])
+    _, state = prefill(model, ids, lengths)
+    h, _ = model.encode(ids)
+    wk = model.chunk.wk.weight.detach()
+    want = torch.stack([h[i, n - 1] @ wk.T for i, n in enumerate(lengths.tolist())])
+    torch.testing.assert_close(state.chunk.last_key, want.detach(), atol=1e-5, rtol=1e-5)
