@@ -16,8 +16,9 @@ ALLOWED = {
     "model": set(),
     "inference": {"model"},
     "training": {"model"},
-    "bench": {"model", "inference"},
-    "cli": {"model", "inference", "training", "bench"},
+    "bench": {"model", "inference", "interop"},
+    "interop": {"model", "inference", "training"},
+    "cli": {"model", "inference", "training", "bench", "interop"},
 }
 
 

@@ -2,7 +2,8 @@
 
 Checks that ``moe.MoE`` / ``model.MoELM`` (CONCEPTMOE.md §2b) represent public MoE blocks
 exactly and are at least as fast. Three architectures, each a small random config built
-locally (no downloads), with our weights copied into the Hugging Face model:
+locally (no downloads), with our weights copied into the Hugging Face model by the mapping of
+``interop/`` (the one ``import-hf`` / ``export-hf`` use):
 
 - ``olmoe``: OLMoE — QK-norm over the full projection (``qk_norm="full"``), no shared
   expert, no top-k renormalisation;
@@ -28,6 +29,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..interop.hf_config import ARCHS as ARCHS_HF
+from ..interop.hf_config import hf_config_from_model
+from ..interop.hf_weights import to_hf
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 
@@ -59,63 +63,19 @@ def our_config(arch: str, preset: str = "small", n_layers: int | None = None) ->
 def hf_model(cfg: ModelConfig, arch: str, experts: str | None = None):
     """The Hugging Face causal LM with the same shapes as ``cfg`` (random weights)."""
     tr = require_transformers()
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-                  num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  norm_topk_prob=cfg.norm_topk_prob, rms_norm_eps=cfg.norm_eps,
-                  max_position_embeddings=32768, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if arch == "olmoe":
-        hc = tr.OlmoeConfig(intermediate_size=cfg.expert_hidden, **common)
-        cls = tr.OlmoeForCausalLM
-    elif arch == "qwen2_moe":
-        hc = tr.Qwen2MoeConfig(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.shared_size,
-                               shared_expert_intermediate_size=cfg.n_shared_experts * cfg.shared_size,
-                               qkv_bias=False, decoder_sparse_step=1, mlp_only_layers=[], **common)
-        cls = tr.Qwen2MoeForCausalLM
-    else:
-        hc = tr.Qwen3MoeConfig(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.expert_hidden,
-                               head_dim=cfg.head_dim, decoder_sparse_step=1, mlp_only_layers=[], **common)
-        cls = tr.Qwen3MoeForCausalLM
+    cls = getattr(tr, ARCHS_HF[arch])
+    fields = hf_config_from_model(cfg, arch)
+    fields.pop("model_type")
     kw = {"attn_implementation": "sdpa"}
     if experts:
         kw["experts_implementation"] = experts
-    return cls._from_config(hc, **kw)
+    return cls._from_config(cls.config_class(**fields), **kw)
 
 
 @torch.no_grad()
 def copy_weights(ours, hf) -> None:
-    """Copy every parameter of our MoELM into the Hugging Face model (layouts differ)."""
-    hm = hf.model
-    hm.embed_tokens.weight.copy_(ours.embed.weight)
-    hm.norm.weight.copy_(ours.norm.weight)
-    hf.lm_head.weight.copy_(ours.lm_head.weight)
-    for blk, layer in zip(ours.layers, hm.layers):
-        layer.input_layernorm.weight.copy_(blk.attn_norm.weight)
-        layer.post_attention_layernorm.weight.copy_(blk.moe_norm.weight)
-        a, sa = blk.attn, layer.self_attn
-        for ours_lin, name in ((a.wq, "q_proj"), (a.wk, "k_proj"), (a.wv, "v_proj"), (a.wo, "o_proj")):
-            getattr(sa, name).weight.copy_(ours_lin.weight)
-        if a.qk_norm != "none":
-            sa.q_norm.weight.copy_(a.q_norm.weight)
-            sa.k_norm.weight.copy_(a.k_norm.weight)
-        copy_moe(blk.moe, layer.mlp)
-
-
-@torch.no_grad()
-def copy_moe(moe, hf_block) -> None:
-    """Our MoE (router, (E, D, F) expert weights, shared expert) into a HF sparse MoE block."""
-    hf_block.gate.weight.copy_(moe.router.weight)
-    ex = hf_block.experts
-    ex.gate_up_proj.copy_(torch.cat([moe.w_gate.transpose(1, 2), moe.w_up.transpose(1, 2)], dim=1))
-    ex.down_proj.copy_(moe.w_down.transpose(1, 2))
-    if moe.shared is not None:
-        se = hf_block.shared_expert
-        se.gate_proj.weight.copy_(moe.shared.gate.weight)
-        se.up_proj.weight.copy_(moe.shared.up.weight)
-        se.down_proj.weight.copy_(moe.shared.down.weight)
-        hf_block.shared_expert_gate.weight.copy_(moe.shared_gate.weight)
+    """Copy every parameter of our MoELM into the Hugging Face model (``interop.hf_weights`` mapping)."""
+    hf.load_state_dict(to_hf(ours.state_dict(), ours.cfg, hf.config.model_type, fused=True), strict=True)
 
 
 def _time_pair(fa, fb, repeats: int) -> tuple[float, float]:

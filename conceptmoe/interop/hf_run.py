@@ -1,0 +1,187 @@
+"""``import_hf``: a Hugging Face MoE checkpoint directory -> a run directory of ours, and back.
+
+Supports starting from pretrained MoEs (issue 10, part A; the MoE block of CONCEPTMOE.md §2b).
+A HF directory holds ``config.json``, ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``, and ``tokenizer.json``. The run directory written by
+``import_hf`` is what ``conceptmoe train`` writes (``training/checkpoint.py``)::
+
+    config.json        {"format", "version", "name", "model": ModelConfig, "train": {},
+                        "source": where it came from: path, architecture, dtypes, file hashes,
+                        the original config.json}
+    model.safetensors  fp32 weights of our MoELM
+    tokenizer.json     the source tokenizer, byte for byte
+
+so ``load_run``, ``conceptmoe eval/generate/flops --config RUN`` work on it. ``config.json`` is
+written last: an interrupted import never looks like a run. ``export_hf`` writes a MoE run as a
+HF directory (per-expert keys, fp32) that the matching transformers class loads. Nothing is
+downloaded, nothing unpickled (``*.bin`` checkpoints are refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file, save_model
+
+from ..errors import UserError
+from ..model.config import ModelConfig
+from ..model.lm import build_model
+from ..training.checkpoint import (RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config,
+                                   remove_run, write_json)
+from ..training.tokenizer import load_tokenizer
+from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
+from .hf_weights import from_hf, to_hf
+
+INDEX = "model.safetensors.index.json"
+HF_FILES = ("config.json", "model.safetensors", INDEX, "tokenizer.json", "generation_config.json")
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise UserError(f"{path.parent} holds no {path.name}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is not valid JSON") from None
+
+
+def weight_files(src: Path) -> tuple[list[str], dict[str, str] | None]:
+    """Safetensors file names of a HF directory and the index's weight map (None: one file)."""
+    if (src / INDEX).is_file():
+        index = _read_json(src / INDEX)
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            raise UserError(f"{src / INDEX} has no weight_map")
+        files = sorted(set(wmap.values()))
+        bad = [f for f in files if not isinstance(f, str) or Path(f).name != f]
+        if bad:
+            raise UserError(f"{src / INDEX} names a shard outside the directory: {bad[0]!r}")
+        return files, wmap
+    if (src / "model.safetensors").is_file():
+        return ["model.safetensors"], None
+    if any(src.glob("*.safetensors")):
+        raise UserError(f"{src} holds sharded *.safetensors but no {INDEX}")
+    if any(src.glob("*.bin")) or any(src.glob("*.pt")):
+        raise UserError(f"{src} holds only pickled weights (*.bin/*.pt), which are never loaded; "
+                        "convert them to safetensors first")
+    raise UserError(f"{src} holds no model.safetensors")
+
+
+def read_tensors(src: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, and the files read."""
+    files, wmap = weight_files(src)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (src / name).is_file():
+            raise UserError(f"shard {name} listed in {INDEX} is missing")
+        try:
+            with safe_open(str(src / name), framework="pt") as fh:
+                for key in fh.keys():
+                    if key in tensors:
+                        raise UserError(f"tensor {key!r} appears in more than one shard")
+                    if wmap is not None and wmap.get(key) != name:
+                        raise UserError(f"tensor {key!r} in {name} is not listed there in {INDEX}")
+                    tensors[key] = fh.get_tensor(key)
+        except UserError:
+            raise
+        except Exception as e:  # SafetensorError on a damaged file
+            raise UserError(f"{src / name} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    missing = sorted(set(wmap or {}) - set(tensors))
+    if missing:
+        raise UserError(f"{INDEX} lists {len(missing)} tensor(s) absent from the shards, e.g. {missing[0]!r}")
+    return tensors, files
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _prepare_out(out: Path, force: bool, names: tuple[str, ...]) -> None:
+    """Refuse a non-empty ``out`` without ``force``; with it, delete the files we are about to write."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"--out {out} is not empty; pass --force to replace it")
+        if is_run(out):
+            remove_run(out)
+        for name in names:
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def save_weights(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write our state dict as the run's ``model.safetensors`` (tied embeddings stored once)."""
+    with torch.device("meta"):  # no random init of a possibly large model
+        model = build_model(cfg)
+    model.load_state_dict({**state, "lm_head.weight": state.get("lm_head.weight", state["embed.weight"])},
+                          strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    tmp = path.with_name(path.name + ".tmp")
+    save_model(model, str(tmp))
+    os.replace(tmp, path)
+
+
+def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Convert a local OLMoE / Qwen2-MoE / Qwen3-MoE checkpoint into a run directory; returns it."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise UserError(f"{src} is not a directory holding a Hugging Face checkpoint")
+    hf = _read_json(src / "config.json")
+    if not isinstance(hf, dict):
+        raise UserError(f"{src / 'config.json'} is not a JSON object")
+    cfg = model_config_from_hf(hf)
+    tok = load_tokenizer(src / "tokenizer.json")
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise UserError(f"tokenizer.json has {tok.get_vocab_size()} tokens, more than vocab_size={cfg.vocab_size}")
+    if src.resolve() == out.resolve():
+        raise UserError("--out must differ from the source directory")
+    tensors, files = read_tensors(src)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    state = from_hf(tensors, cfg)
+    del tensors
+    _prepare_out(out, force, ())
+    save_weights(cfg, state, out / "model.safetensors")
+    _copy(src / "tokenizer.json", out / "tokenizer.json")
+    source = {"tool": "conceptmoe import-hf", "path": str(src.resolve()), "architecture": ARCHS[arch_of(hf)],
+              "dtypes": dtypes, "sha256": {f: _sha256(src / f) for f in [*files, "config.json", "tokenizer.json"]},
+              "hf_config": hf}
+    write_json(out / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
+                                     "model": cfg.to_dict(), "train": {}, "source": source})
+    return out
+
+
+def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: bool = False) -> Path:
+    """Write a MoE run as a HF checkpoint directory (``arch`` default: where it came from); returns it."""
+    run, out = Path(run), Path(out)
+    cfg = model_config_of(read_run_config(run))
+    hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
+    if run.resolve() == out.resolve():
+        raise UserError("--out must differ from the run directory")
+    model, cfg, _, _ = load_run(run, "cpu")
+    tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
+    _prepare_out(out, force, HF_FILES)
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    _copy(run / "tokenizer.json", out / "tokenizer.json")
+    write_json(out / "config.json", hf)
+    return out
