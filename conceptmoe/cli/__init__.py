@@ -11,14 +11,14 @@ import argparse
 import sys
 
 from ..errors import UserError
-from . import bench, compute, generate, training
+from . import bench, compute, generate, interop, training
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conceptmoe", description="Train, compare, run and benchmark ConceptMoE and MoE language models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for group in (compute, training, generate, bench):
+    for group in (compute, training, generate, bench, interop):
         group.register(sub)
     return parser
 
