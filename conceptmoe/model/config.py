@@ -143,12 +143,21 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        """Paper-style name ``ConceptMoE-xL-topy-Rz``: x = concept layers x loops / baseline's."""
+        """Paper-style name ``ConceptMoE-xL[-loopn]-topy[-tokentopk]-Rz``.
+
+        x = concept layers x loops / the baseline's concept layers; ``-loopn`` when the concept
+        layers run n > 1 times (so "more layers" and "looping" never share a name);
+        ``-tokentopk`` when the token-rate layers' top-k differs from the baseline's
+        (``extra["base_top_k"]``, set by ``match_config`` only when it moved that top-k).
+        """
         if not self.is_concept:
             return f"MoE-top{self.top_k}"
         base = self.extra.get("base_concept_layers", self.n_concept_layers)
         mult = round(self.n_concept_layers * self.concept_loops / base, 2)
-        return f"ConceptMoE-{mult:g}L-top{self.concept_k}-R{self.compression_ratio:g}"
+        loop = f"-loop{self.concept_loops}" if self.concept_loops > 1 else ""
+        base_k = self.extra.get("base_top_k", self.top_k)
+        token_k = f"-tokentop{self.top_k}" if base_k != self.top_k else ""
+        return f"ConceptMoE-{mult:g}L{loop}-top{self.concept_k}{token_k}-R{self.compression_ratio:g}"
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:

@@ -11,7 +11,9 @@ the baseline's (error = max(|flops_ratio − 1|, |params_ratio − 1|)):
 - ``loop``: run the concept layers ``concept_loops`` times (more FLOPs, no new parameters).
 
 The token-rate layers (encoder, decoder) may move their top-k by up to 2 to fine-tune FLOPs
-when a concept-model expert step is too coarse. Candidates are ranked by error bucket (within
+when a concept-model expert step is too coarse. When they do, it shows: the name gains
+``-tokentop<k>`` (the config's ``extra["base_top_k"]`` keeps the baseline's) and ``to_dict``
+gains ``"token_top_k": {"baseline": .., "matched": ..}``; when they do not, neither appears. Candidates are ranked by error bucket (within
 1%, 2%, 3%), then by how far the token and then the concept top-k move from the baseline's, then by the
 loop count, then by error. The encoder/decoder split comes from the baseline
 config's ``n_encoder_layers`` / ``n_decoder_layers``.
@@ -41,9 +43,13 @@ class MatchResult:
     matched: dict
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "strategy": self.config.extra.get("strategy"),
-                "flops_ratio": self.flops_ratio, "params_ratio": self.params_ratio,
-                "config": self.config.to_dict(), "baseline_flops": self.baseline, "flops": self.matched}
+        out = {"name": self.name, "strategy": self.config.extra.get("strategy"),
+               "flops_ratio": self.flops_ratio, "params_ratio": self.params_ratio,
+               "config": self.config.to_dict(), "baseline_flops": self.baseline, "flops": self.matched}
+        base_k = self.config.extra.get("base_top_k")
+        if base_k is not None and base_k != self.config.top_k:
+            out["token_top_k"] = {"baseline": base_k, "matched": self.config.top_k}
+        return out
 
 
 def _candidates(base: ModelConfig, strategy: str) -> Iterator[dict]:
@@ -102,6 +108,8 @@ def match_config(baseline: ModelConfig, ratio: float, strategy: str = "topk",
         if best is None or key < best[0]:
             best = (key, cfg, f, fr, pr)
     _, cfg, f, fr, pr = best
+    if cfg.top_k != base.top_k:  # the token-rate top-k moved: say so in the name and the JSON
+        cfg = cfg.replace(extra={**cfg.extra, "base_top_k": base.top_k})
     if max(abs(fr - 1), abs(pr - 1)) > tolerance:
         raise UserError(f"no {strategy} config at R={ratio:g} matches the baseline within "
                         f"{tolerance:.0%} (best: flops x{fr:.3f}, params x{pr:.3f})")

@@ -6,7 +6,9 @@ A softmax router (fp32) picks top-k of E SwiGLU experts per token; optional shar
 Two dispatch paths with one entry point, ``MoE.forward(x, dispatch=...)``:
 - ``"grouped"`` (default): sort the (token, expert) pairs by expert and run one
   ``torch.nn.functional.grouped_mm`` per projection (falls back to ``"split"`` when
-  grouped_mm is unavailable);
+  grouped_mm is unavailable, for float64, and when a row of d_model or expert_hidden
+  elements is not a multiple of 16 bytes, which grouped_mm rejects: e.g. expert_hidden=18 in
+  fp32);
 - ``"split"``: the same sorted layout with a loop over experts on contiguous slices;
 - ``"loop"``: the obviously-correct reference, a loop over experts with boolean masks.
 
@@ -22,6 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _grouped_mm_fits(x: torch.Tensor, hidden: int) -> bool:
+    """Whether grouped_mm takes these operands: it needs 16-byte row strides (D and F)."""
+    if not _HAS_GROUPED_MM or x.dtype == torch.float64:
+        return False
+    size = x.element_size()
+    return (x.shape[-1] * size) % 16 == 0 and (hidden * size) % 16 == 0
 
 
 @dataclass
@@ -144,7 +154,7 @@ class MoE(nn.Module):
         elif dispatch == "loop":
             y = self._experts_loop(x, w, idx)
         elif dispatch in ("grouped", "split"):
-            grouped = dispatch == "grouped" and _HAS_GROUPED_MM and x.dtype != torch.float64
+            grouped = dispatch == "grouped" and _grouped_mm_fits(x, self.w_down.shape[1])
             y = self._experts_sorted(x, w, idx, grouped)
         else:
             raise ValueError(f"unknown MoE dispatch {dispatch!r}")

@@ -180,11 +180,13 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
         tps = statistics.fmean(statistics.fmean(m["tokens_per_s"] for m in ms[min(10, len(ms) - 1):])
                                for ms in metrics)
         fl = count_flops(mc, cc.seq_len)
+        fl_real = count_flops(mc, cc.seq_len, compression=max(comp, 1.0))  # concept layers at L/realised
         curve = _mean_curve(metrics)
         rows.append({"label": label, "name": mc.name, "strategy": tc.strategy, "ratio": tc.ratio if mc.is_concept else 1.0,
                      "val_bpb": bpb, "val_bpb_std": bpb_sd, "val_bpb_seeds": [e["val_bpb"] for e in evals],
                      "val_loss": statistics.fmean(e["val_loss"] for e in evals), "compression": comp,
                      "activated_flops_per_token": fl["activated_flops_per_token"],
+                     "activated_flops_per_token_realised": fl_real["activated_flops_per_token"],
                      "total_params": fl["total_params"],
                      "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
                      "train_tokens_per_s": tps, "curve": curve, "config": mc.to_dict()})
@@ -218,15 +220,17 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"Data: {s['data'] or 'Shakespeare (held-out plays: see conceptmoe/training/data.py)'}; "
             f"{s['tokens']:,} training tokens per model; batch {s['batch_size']} x {s['seq_len']}; "
             f"lr {s['lr']:g}; seeds {', '.join(map(str, s['seeds']))}.\n"
-            f"FLOPs are analytic (conceptmoe/flops.py) at the target R; attention-map FLOPs at "
+            f"FLOPs are analytic (conceptmoe/model/flops.py) at the target R and, next to them, at the "
+            f"realised compression (what the model actually spent); attention-map FLOPs at "
             f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
             f"held-out text.\n\n")
     table = ["| run | model | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
-             "| total params | attn-map MFLOPs/token | train tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["models"]:
         table.append(f"| {r['label']} | {r['name']} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
                      f"| {r['val_loss']:.4f} | {r['compression']:.2f} | {r['activated_flops_per_token'] / 1e6:.2f} "
+                     f"| {r['activated_flops_per_token_realised'] / 1e6:.2f} "
                      f"| {r['total_params'] / 1e6:.2f}M | {r['attention_map_flops_per_token'] / 1e6:.3f} "
                      f"| {r['train_tokens_per_s']:.0f} |")
     verdict_md = "\n".join(f"- {line}" for line in report["verdict"])
