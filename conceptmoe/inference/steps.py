@@ -14,6 +14,10 @@ others do not touch theirs) and update z; the others carry z -> decoder step wit
 decoding -> logits. Boundaries are always the deterministic p >= 0.5 (inference rule).
 
 The full forward pass of ``model/lm.py`` is the reference: tests check every cached step against it.
+One numerical limit: the step computes p_t for one position per row ((B, D) matmuls) and the
+full pass for all positions at once ((B, T, D)); they round differently (~1e-7), so a p_t
+within ~1e-7 of 0.5 can be a boundary in one and not in the other, after which the two
+sequences of concepts differ. The equivalence holds for every p away from 0.5 by more than that.
 
 Shape legend: B batch, T tokens, C concepts, D d_model, V vocab, n rows stepping the concept model.
 """
