@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save_file, save_model
 
 tr = pytest.importorskip("transformers")
 
@@ -162,14 +162,9 @@ def test_round_trip_export(tmp_path, arch):
 
 
 def _our_run(path, cfg, seed=0):
-    torch.manual_seed(seed)
     model = build_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
+    randomize(model, seed)
     path.mkdir()
-    from safetensors.torch import save_model
     save_model(model, str(path / "model.safetensors"))
     tokenizer(path / "tokenizer.json")
     write_json(path / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
