@@ -9,13 +9,13 @@ from safetensors.torch import load_file, save_file, save_model
 
 tr = pytest.importorskip("transformers")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conceptmoe import ModelConfig, build_model, load_run  # noqa: E402
-from conceptmoe.cli import main  # noqa: E402
-from conceptmoe.errors import UserError  # noqa: E402
-from conceptmoe.interop import export_hf, import_hf  # noqa: E402
-from conceptmoe.training.checkpoint import RUN_FORMAT, RUN_VERSION, write_json  # noqa: E402
+from conceptmoe import ModelConfig, build_model, load_run
+from conceptmoe.cli import main
+from conceptmoe.errors import UserError
+from conceptmoe.interop import export_hf, import_hf
+from conceptmoe.training.checkpoint import RUN_FORMAT, RUN_VERSION, write_json
 
 VOCAB = 300
 CLASSES = {"olmoe": (tr.OlmoeConfig, tr.OlmoeForCausalLM), "qwen2_moe": (tr.Qwen2MoeConfig, tr.Qwen2MoeForCausalLM),
@@ -124,7 +124,7 @@ CASES = [
 def test_import_matches_transformers(tmp_path, arch, kw):
     src = make_checkpoint(tmp_path / "hf", arch, **kw)
     run = import_hf(src, tmp_path / "run")
-    ours, cfg, tok, run_cfg = load_run(run, "cpu")
+    ours, cfg, _, run_cfg = load_run(run, "cpu")
     hf = load_hf(src, arch)
     assert run_cfg["format"] == RUN_FORMAT and run_cfg["source"]["architecture"] == CLASSES[arch][1].__name__
     assert cfg.kind == "moe" and cfg.n_kv_heads == 2 and cfg.norm_topk_prob == kw.get("norm_topk_prob", False)
@@ -229,7 +229,7 @@ def test_import_refuses_other_families_fields(tmp_path, capsys, qwen3_src):
     _fail(capsys, ["import-hf", str(src), "--out", str(tmp_path / "r1")], "rope_type")
     olmoe = make_checkpoint(tmp_path / "olmoe", "olmoe")
     for field, value in (("clip_qkv", 8.0), ("sliding_window", 64)):
-        src = _edited(olmoe, tmp_path / field, lambda c: c.update({field: value}))
+        src = _edited(olmoe, tmp_path / field, lambda c, f=field, v=value: c.update({f: v}))
         _fail(capsys, ["import-hf", str(src), "--out", str(tmp_path / "r2")], field)
     qwen2 = make_checkpoint(tmp_path / "qwen2", "qwen2_moe")
     src = _edited(qwen2, tmp_path / "bias", lambda c: c.pop("qkv_bias"))  # transformers' default: biases

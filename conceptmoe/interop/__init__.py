@@ -14,4 +14,4 @@ weights safetensors (the tests use transformers to check exactness).
 
 from .hf_run import export_hf, import_hf
 
-__all__ = ["import_hf", "export_hf"]
+__all__ = ["export_hf", "import_hf"]

@@ -83,7 +83,7 @@ def read_tensors(src: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
             raise UserError(f"shard {name} listed in {INDEX} is missing")
         try:
             with safe_open(str(src / name), framework="pt") as fh:
-                for key in fh.keys():
+                for key in fh.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     if key in tensors:
                         raise UserError(f"tensor {key!r} appears in more than one shard")
                     if wmap is not None and wmap.get(key) != name:

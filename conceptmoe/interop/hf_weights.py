@@ -99,9 +99,9 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     out["norm.weight"] = src.take("model.norm.weight")
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = src.take("lm_head.weight")
-    elif src.has("lm_head.weight"):  # tied checkpoints may still store a copy: it must be one
-        if not torch.equal(src.take("lm_head.weight"), out["embed.weight"]):
-            raise UserError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
+    # A tied checkpoint may still store lm_head.weight: accepted only as an exact copy.
+    elif src.has("lm_head.weight") and not torch.equal(src.take("lm_head.weight"), out["embed.weight"]):
+        raise UserError("tie_word_embeddings is true but lm_head.weight differs from the embedding")
     for i in range(cfg.n_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         out[q + "attn_norm.weight"] = src.take(p + "input_layernorm.weight")
