@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from conceptmoe.training.data import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Document, load_corpus,
-                             play_files, read_documents, split_documents)
 from conceptmoe.errors import UserError
+from conceptmoe.training.data import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Corpus, Document, check_record,
+                                      load_corpus, play_files, read_documents, split_documents,
+                                      split_documents_legacy)
 from training_helpers import make_corpus
 
 
@@ -31,11 +32,49 @@ def test_folder_corpus_recurses_and_filters_suffixes(tmp_path):
     assert len(docs) == 4 and not any(d.name.endswith(".csv") for d in docs)
 
 
-def test_split_every_tenth_document():
+def test_legacy_split_every_tenth_document():
     docs = [Document(str(i), f"doc {i}") for i in range(23)]
-    train, val = split_documents(docs)
+    train, val = split_documents_legacy(docs)
     assert [d.name for d in val] == ["1", "11", "21"]
     assert len(train) == 20
+
+
+def test_split_holds_out_a_bounded_share_of_every_source():
+    # two very different sources: both must reach training, validation stays ~5% of the text
+    docs = [Document("code.txt", "".join(f"x = {i}\n" for i in range(20000))),
+            Document("plays.txt", "".join(f"line {i} of a play\n" for i in range(3000)))]
+    train, val = split_documents(docs)
+    assert {d.name for d in train} == {"code.txt:train", "plays.txt:train"}
+    assert {d.name for d in val} == {"code.txt:val", "plays.txt:val"}
+    total = sum(len(d.text) for d in docs)
+    assert 0.04 < sum(len(d.text) for d in val) / total < 0.07
+    for d in docs:  # head + tail give the document back
+        assert next(t for t in train if t.name.startswith(d.name)).text + \
+            next(v for v in val if v.name.startswith(d.name)).text == d.text
+
+
+def test_split_many_short_documents_holds_out_whole_ones():
+    docs = [Document(str(i), f"record {i}") for i in range(100)]
+    train, val = split_documents(docs)
+    assert len(val) == 5 and len(train) == 95 and all(":" not in d.name for d in val)
+
+
+def test_split_caps_validation_text(monkeypatch):
+    import conceptmoe.training.data as data
+
+    monkeypatch.setattr(data, "MAX_VAL_CHARS", 1000)
+    train, val = data.split_documents([Document("big.txt", "".join(f"{i}\n" for i in range(20000)))])
+    assert sum(len(d.text) for d in val) <= 1100
+
+
+def test_record_fingerprint_follows_the_text():
+    a = Corpus("src", [Document("a", "one")], [Document("b", "two")])
+    b = Corpus("src", [Document("a", "one")], [Document("b", "two!")])
+    assert a.record()["sha256"] == Corpus("src", [Document("a", "one")], [Document("b", "two")]).record()["sha256"]
+    assert a.record()["sha256"] != b.record()["sha256"]
+    check_record(a.record(), a)
+    with pytest.raises(UserError, match="data changed since the run started"):
+        check_record(a.record(), b)
 
 
 def test_single_file_splits_at_a_line(tmp_path):
@@ -44,7 +83,7 @@ def test_single_file_splits_at_a_line(tmp_path):
     c = load_corpus(f)
     assert c.train[0].text + c.val[0].text == f.read_text()
     assert c.train[0].text.endswith("\n") and c.val[0].text.startswith("line ")
-    assert 0.05 < len(c.val[0].text) / len(f.read_text()) < 0.15
+    assert 0.04 < len(c.val[0].text) / len(f.read_text()) < 0.10
 
 
 def test_jsonl_reads_text_field(tmp_path):

@@ -14,8 +14,8 @@ TINY = dict(preset="tiny", batch_size=4, seq_len=32, lr=3e-3, device="cpu", prog
 
 
 def make_corpus(folder: Path, n_docs: int = 6, chars: int = 6000) -> Path:
-    """``n_docs`` .txt files, each the start of a different play. With fewer than 11 documents
-    ``data.split_documents`` holds out document 1 (sorted order) only."""
+    """``n_docs`` .txt files, each the start of a different play (each gives its last ~5% to
+    validation: ``data.split_documents``)."""
     folder.mkdir(parents=True, exist_ok=True)
     for f in play_files()[:n_docs]:
         (folder / f"{f.stem}.txt").write_text(f.read_text(encoding="utf-8")[:chars], encoding="utf-8")

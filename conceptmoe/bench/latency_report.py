@@ -104,5 +104,5 @@ def write_outputs(result: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     result["kv_check"] = kv_check(result)
     js = out / "latency.json"
-    js.write_text(json.dumps(result, indent=2) + "\n")
+    js.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
     return {"json": js, "plot": plot_latency(result, out / "latency.png")}

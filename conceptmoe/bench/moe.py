@@ -135,7 +135,7 @@ def write_rows(rows: list[dict], out: str | Path) -> Path:
     """``moe_bench.json`` (the ``to_dict`` rows) in the folder ``out``."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "moe_bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (path / "moe_bench.json").write_text(json.dumps(rows, indent=2, allow_nan=False) + "\n")
     return path / "moe_bench.json"
 
 

@@ -81,6 +81,6 @@ def run_and_report(concepts: int, dim: int, batch: int, repeats: int, device: st
     if out:
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "scan.json").write_text(json.dumps(res, indent=2) + "\n")
+        (path / "scan.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
         print(f"wrote {path / 'scan.json'}")
     return res

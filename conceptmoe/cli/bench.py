@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -16,20 +17,27 @@ from ..errors import UserError
 from ..training.checkpoint import load_run
 
 
-def _ints(text: str) -> list[int]:
-    if text.strip().lower() in ("", "none", "0"):
+def _lengths(text: str) -> list[int]:
+    """Comma-separated lengths >= 2, or 'none' for an empty list."""
+    if text.strip().lower() == "none":
         return []
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers or 'none', got {text!r}") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"lengths must be integers >= 2 (or 'none' to skip), got {text!r}")
+    return values
 
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(t) for t in text.split(",") if t.strip()]
+        values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    return values
 
 
 def _words(text: str) -> list[str]:
@@ -45,9 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="Prefill and per-token decode latency of the MoE baseline "
                                        "and compute-matched ConceptMoE models, interleaved, medians. "
                                        "Writes latency.json and latency.png to --out.")
-    lat.add_argument("--prefill-lens", type=_ints, default=[1024, 2048, 4096, 8192, 16384],
+    lat.add_argument("--prefill-lens", type=_lengths, default=[1024, 2048, 4096, 8192, 16384],
                      help="prompt lengths (default 1024,2048,4096,8192,16384; 'none' skips prefill)")
-    lat.add_argument("--kv-lens", type=_ints, default=[1024, 4096, 16384],
+    lat.add_argument("--kv-lens", type=_lengths, default=[1024, 4096, 16384],
                      help="cached tokens for the decode benchmark (default 1024,4096,16384; 'none' skips)")
     lat.add_argument("--batch", type=int, default=8, help="decode batch rows (default 8)")
     lat.add_argument("--prefill-batch", type=int, default=1, help="prefill batch rows (default 1)")

@@ -15,6 +15,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig, parse_overrides
 from ..model.flops import count_flops
 from ..model.match import STRATEGIES, match_config
+from .args import finite_float
 
 
 def _load_config(preset: str | None, config: str | None, sets: list[str] | None) -> ModelConfig:
@@ -79,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="a config.json (or run directory) instead of a preset")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for attention-map FLOPs")
-    p.add_argument("--compression", type=float, help="realised tokens per concept (default: R)")
+    p.add_argument("--compression", type=finite_float, help="realised tokens per concept (default: R)")
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per KV-cache element (default 2, bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_flops)
@@ -89,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "params match a MoE baseline (CONCEPTMOE.md §3).")
     p.add_argument("--baseline", default="small", help="baseline preset (default small)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a baseline field")
-    p.add_argument("--ratio", type=float, default=2.0, help="compression ratio R (default 2)")
+    p.add_argument("--ratio", type=finite_float, default=2.0, help="compression ratio R (default 2)")
     p.add_argument("--strategy", choices=STRATEGIES, default="topk", help="how saved compute is reinvested")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the reported attention FLOPs")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -10,6 +10,7 @@ import torch
 from ..errors import UserError
 from ..inference.text import MARK, TextStats, stream_text
 from ..training.checkpoint import load_run
+from .args import finite_float
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,9 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", metavar="RUN", help="run directory written by `conceptmoe train`")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling threshold in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--show-concepts", action="store_true",
                    help=f"print '{MARK}' before every token that starts a concept (ConceptMoE)")
@@ -32,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if args.temperature < 0 or (args.top_k is not None and args.top_k < 1) or \
-            (args.top_p is not None and not 0 < args.top_p <= 1):
-        raise UserError("need --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
+    if not args.temperature >= 0 or args.temperature == float("inf") or \
+            (args.top_k is not None and args.top_k < 1) or (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise UserError("need a finite --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
     model, _, tok, _ = load_run(args.run, args.device)
     gen = None
     if args.seed is not None:

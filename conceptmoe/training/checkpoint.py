@@ -41,7 +41,7 @@ CKPT_DIR = "checkpoints"
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically: temp file in the same directory, then rename."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")  # strict JSON
     os.replace(tmp, path)
 
 
@@ -211,7 +211,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Keep only rows up to ``step`` (the checkpoint being resumed from)."""
-    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= step]
+    rows = [r for r in read_metrics(run_dir) if 0 < r.get("step", 0) <= step]
     tmp = run_dir / "metrics.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, run_dir / "metrics.jsonl")
@@ -237,6 +237,9 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
     cfg = model_config_of(run_cfg)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     tok = load_tokenizer(run_dir / "tokenizer.json")
+    if tok.get_vocab_size() > cfg.vocab_size:
+        raise UserError(f"{run_dir}/tokenizer.json has {tok.get_vocab_size()} entries but the model's "
+                        f"vocabulary has {cfg.vocab_size}; the run is damaged")
     model = build_model(cfg)
     load_weights(model, run_dir / "model.safetensors", "cpu")
     return model.to(dev).eval(), cfg, tok, run_cfg

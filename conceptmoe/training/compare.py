@@ -23,8 +23,9 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from . import checkpoint as ck
-from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config
+from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data
 from .data import load_corpus
+from .lock import RunLock, holds_only_lock
 from .tokenizer import save_tokenizer, train_tokenizer
 from .train import train
 
@@ -65,6 +66,7 @@ class CompareConfig:
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
         self.out = self.out or f"runs/compare-{self.preset}"
+        self.data = resolve_data(self.data)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -96,26 +98,29 @@ def compare(cc: CompareConfig) -> Path:
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     corpus = load_corpus(cc.data)
-    tok_path = _claim(out, cc, models)
-    if not tok_path.is_file():
-        vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
-        save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
-    for label, tc in models:
-        for seed in cc.seeds:
-            run = out / label / f"seed{seed}"
-            if (run / "eval.json").is_file():
-                continue  # finished earlier with the same settings (checked by _claim)
-            print(f"== {label} seed {seed} -> {run}", flush=True)
-            train(_run_config(tc, seed, run, tok_path, resume=ck.is_run(run)))
-    report = build_report(cc, models)
-    ck.write_json(out / "report.json", report)
-    (out / "report.md").write_text(render_markdown(report))
-    plot_curves(report, out / "curves.png")
+    with RunLock(out):
+        tok_path = _claim(out, cc, models)
+        if not tok_path.is_file():
+            vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
+            save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
+        for label, tc in models:
+            for seed in cc.seeds:
+                run = out / label / f"seed{seed}"
+                if (run / "eval.json").is_file():
+                    continue  # finished earlier with the same settings (checked by _claim)
+                print(f"== {label} seed {seed} -> {run}", flush=True)
+                resume = ck.latest_checkpoint(run) is not None  # else: (re)start, ours to replace
+                train(_run_config(tc, seed, run, tok_path, resume, force=not resume))
+        report = build_report(cc, models)
+        ck.write_json(out / "report.json", report)
+        (out / "report.md").write_text(render_markdown(report))
+        plot_curves(report, out / "curves.png")
     return out
 
 
-def _run_config(tc: TrainConfig, seed: int, run: Path, tok_path: Path, resume: bool = False) -> TrainConfig:
-    return dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path), resume=resume)
+def _run_config(tc: TrainConfig, seed: int, run: Path, tok_path: Path, resume: bool = False,
+                force: bool = False) -> TrainConfig:
+    return dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path), resume=resume, force=force)
 
 
 def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> Path:
@@ -128,7 +133,7 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
     meta_path, tok_path = out / "compare.json", out / "tokenizer.json"
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
-    if not meta_path.is_file() and out.is_dir() and any(out.iterdir()) and not cc.force:
+    if not meta_path.is_file() and out.is_dir() and not holds_only_lock(out) and not cc.force:
         raise UserError(f"{out} is not empty and holds no comparison; choose another --out or pass --force")
     vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
     tok_key = {"data": cc.data, "vocab_size": vocab}

@@ -18,9 +18,11 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.match import match_config
 from . import checkpoint as ck
+from .data import DEFAULT_CORPUS
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
 STRATEGIES = ("topk", "layers", "loop")
+MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
                 "concept_pooling", "joint_decoding")
@@ -57,6 +59,8 @@ class TrainConfig:
     device: str = "auto"
     eval_every: int | None = None  # None: ~10 validations per run; 0: none
     eval_tokens: int = 32768  # size of the held-out slice validated during training
+    val_tokens: int | None = 1_000_000  # cap on the final validation (None: all held-out text)
+    skip_bad_steps: int = 0  # steps with a non-finite loss/gradient to skip before stopping
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
     resume: bool = False
     force: bool = False
@@ -71,16 +75,27 @@ class TrainConfig:
             raise UserError("--strategy builds a compute-matched ConceptMoE; it cannot be combined with --model moe")
         if self.max_steps is not None and self.tokens is not None:
             raise UserError("give --max-steps or --tokens, not both")
-        for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens"):
+        for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")
+        for name in ("warmup_steps", "eval_every", "skip_bad_steps"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise UserError(f"--{name.replace('_', '-')} must be an integer >= 0 (got {v!r})")
+        for name in ("lr", "ratio", "min_lr_ratio", "weight_decay", "grad_clip", "chunk_lr_mult"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise UserError(f"--{name.replace('_', '-')} must be a finite number (got {v!r})")
         if self.seq_len < 2:
             raise UserError("--seq-len must be at least 2")
         if not self.lr > 0 or self.grad_clip <= 0 or self.chunk_lr_mult < 0:
             raise UserError("--lr and grad_clip must be > 0 and chunk_lr_mult >= 0")
-        if self.ratio <= 1:
-            raise UserError(f"--ratio must be > 1 (got {self.ratio})")
+        if not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0:
+            raise UserError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
+        if self.model == "conceptmoe" and not 1 < self.ratio <= MAX_RATIO:
+            raise UserError(f"--ratio must be > 1 and <= {MAX_RATIO} (got {self.ratio:g})")
+        self.data = resolve_data(self.data)  # stored resolved: resumable from anywhere
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -98,6 +113,11 @@ class TrainConfig:
         if self.max_steps is not None:
             return self.max_steps
         return max(1, math.ceil((self.tokens or DEFAULT_TOKENS) / (self.batch_size * self.seq_len)))
+
+
+def resolve_data(data: str | None) -> str | None:
+    """An absolute --data path (the default corpus keeps its name)."""
+    return data if data is None or str(data) == DEFAULT_CORPUS else str(Path(data).resolve())
 
 
 def model_config(tc: TrainConfig) -> ModelConfig:

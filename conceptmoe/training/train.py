@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -22,13 +23,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
-from .config import RUN_IDENTITY, TrainConfig, default_out, model_config
-from .data import DOC_SEP, BatchSampler, load_corpus
+from .config import RUN_IDENTITY, TrainConfig, default_out, model_config, resolve_data
+from .data import DOC_SEP, BatchSampler, check_record, load_corpus
 from .evaluate import evaluate_tokens
+from .lock import RunLock, holds_only_lock
+from .signals import StopOnSignal
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
 
 
@@ -59,64 +62,81 @@ def _diff(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def check_out_dir(tc: TrainConfig, mc: ModelConfig) -> Path:
-    """Check --out against --resume/--force; writes nothing (``--force`` deletes later)."""
-    out = Path(tc.out) if tc.out else default_out(tc, mc)
+def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
+    """Check --out against --resume/--force; writes nothing. Returns the stored run config."""
     if tc.resume:
-        stored = ck.read_run_config(out) if out.is_dir() else None
+        stored = ck.read_run_config(out) if ck.is_run(out) else None
         if stored is None:
             raise UserError(f"--resume: {out} holds no run to resume")
         diff = _diff(stored["model"], mc.to_dict())
         if diff:
             raise UserError(f"--resume: {out} holds a run with a different model config (differs in: {', '.join(diff)})")
         old = stored.get("train", {})
+        old = {**old, "data": resolve_data(old.get("data"))}
         diff = [k for k in RUN_IDENTITY if old.get(k) != getattr(tc, k)]
         if diff:
             raise UserError(f"--resume: {out} was trained with different {', '.join(diff)}")
-        return out
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
+        # A run stopped before its first checkpoint has nothing to lose and starts over.
+        trained = any((out / f).exists() for f in ("model.safetensors", "eval.json"))
+        if ck.latest_checkpoint(out) is None and trained:
+            raise UserError(f"--resume: {out} holds trained weights but no checkpoint to resume from "
+                            f"({ck.CKPT_DIR}/ is missing or damaged); nothing was changed")
+        return stored
     if ck.is_run(out):
         if not tc.force:
             raise UserError(f"{out} already holds a run; use --resume to continue it or --force to replace it")
-    elif out.is_dir() and any(out.iterdir()) and not tc.force:
+    elif not holds_only_lock(out) and not tc.force:
         raise UserError(f"{out} is not empty and holds no run; choose another --out or pass --force")
-    return out
+    return None
 
 
 def train(tc: TrainConfig) -> Path:
-    """Train (or resume) one run; returns its directory."""
+    """Train (or resume) one run; returns its directory. Holds the run's lock throughout."""
     device = ck.resolve_device(tc.device)
     mc = model_config(tc)
-    corpus = load_corpus(tc.data)
-    out = check_out_dir(tc, mc)
-    tok = _tokenizer(tc, mc, out, [d.text for d in corpus.train])
-    train_ids = encode_documents(tok, [d.text for d in corpus.train], DOC_SEP)
-    val_ids = encode_documents(tok, [d.text for d in corpus.val], DOC_SEP)
-    sampler = BatchSampler(train_ids, tc.seq_len, tc.batch_size, tc.seed)
-    # All input is valid: only now is the output folder touched.
-    if tc.force and not tc.resume and ck.is_run(out):
-        ck.remove_run(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_tokenizer(tok, out / "tokenizer.json")
-    ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION,
-                                        "name": mc.name, "model": mc.to_dict(), "train": tc.to_dict()})
-
-    torch.manual_seed(tc.seed)
-    model = build_model(mc).to(device)
-    opt = make_optimizer(model, tc)
-    step = 0
-    ckpt = ck.latest_checkpoint(out) if tc.resume else None
-    if ckpt is not None:
-        state = ck.load_checkpoint(ckpt, model, opt, device)
-        step = int(state["step"])
-        sampler.set_position(state["data_position"])
-        ck.link_latest_weights(out, ckpt)
-    ck.truncate_metrics(out, step)
-    (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
-    _loop(tc, model, opt, sampler, step, out, val_ids, byte_lengths(tok, mc.vocab_size), device)
-    final = evaluate_tokens(model, val_ids, byte_lengths(tok, mc.vocab_size), tc.seq_len)
-    ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
+    out = Path(tc.out) if tc.out else default_out(tc, mc)
+    with RunLock(out):
+        stored = check_out_dir(tc, mc, out)
+        corpus = load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
+        if stored is not None:
+            check_record(stored.get("data"), corpus)
+        tok = _tokenizer(tc, mc, out, [d.text for d in corpus.train])
+        train_ids = encode_documents(tok, [d.text for d in corpus.train], DOC_SEP)
+        val_ids = encode_documents(tok, [d.text for d in corpus.val], DOC_SEP)
+        sampler = BatchSampler(train_ids, tc.seq_len, tc.batch_size, tc.seed)
+        data = {**corpus.record(), "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
+        if tc.progress:
+            cap = min(len(val_ids), tc.val_tokens or len(val_ids))
+            print(f"data {data['source']}: {data['train_documents']} training / {data['val_documents']} "
+                  f"held-out pieces, {len(train_ids):,} / {len(val_ids):,} tokens "
+                  f"({100 * len(val_ids) / max(len(train_ids) + len(val_ids), 1):.1f}% held out); "
+                  f"final validation on {cap:,} tokens", file=sys.stderr)
+        # All input is valid: only now is the output folder touched.
+        if tc.force and not tc.resume:
+            ck.remove_run(out)
+        save_tokenizer(tok, out / "tokenizer.json")
+        ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
+                                            "model": mc.to_dict(), "train": tc.to_dict(), "data": data})
+        torch.manual_seed(tc.seed)
+        model = build_model(mc).to(device)
+        opt = make_optimizer(model, tc)
+        step = 0
+        ckpt = ck.latest_checkpoint(out) if stored is not None else None
+        if ckpt is not None:
+            state = ck.load_checkpoint(ckpt, model, opt, device)
+            step = int(state["step"])
+            sampler.set_position(state["data_position"])
+            ck.link_latest_weights(out, ckpt)
+        ck.truncate_metrics(out, step)
+        (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
+        byte_len = byte_lengths(tok, mc.vocab_size)
+        with StopOnSignal() as stop:
+            _loop(tc, model, opt, sampler, step, out, val_ids, byte_len, device, stop)
+        final = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.val_tokens,
+                                progress=tc.progress)
+        if not math.isfinite(final["val_loss"]):
+            raise UserError(f"final validation loss is {final['val_loss']}; the run diverged (checkpoint kept)")
+        ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
     return out
 
 
@@ -132,8 +152,21 @@ def _tokenizer(tc: TrainConfig, mc: ModelConfig, out: Path, texts: list[str]):
     return tok
 
 
+def _not_finite(loss: torch.Tensor, gnorm: torch.Tensor) -> str | None:
+    """Which quantity of a step is not finite (None when both are)."""
+    if not torch.isfinite(loss):
+        return f"loss is {float(loss.detach())}"
+    if not torch.isfinite(gnorm):
+        return f"gradient norm is {float(gnorm)}"
+    return None
+
+
+def _kept(saved: int) -> str:
+    return f"the last good checkpoint (step {saved}) kept" if saved else "no checkpoint written yet"
+
+
 def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Path,
-          val_ids: np.ndarray, byte_len: np.ndarray, device: torch.device) -> None:
+          val_ids: np.ndarray, byte_len: np.ndarray, device: torch.device, stop: StopOnSignal) -> None:
     total = tc.total_steps
     warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
     eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
@@ -142,6 +175,7 @@ def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Pa
     label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
     bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not tc.progress,
                dynamic_ncols=True, mininterval=1.0)
+    saved, skipped = step, 0
     with open(out / "metrics.jsonl", "a") as log:
         while step < total:
             t0 = time.perf_counter()
@@ -153,6 +187,17 @@ def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Pa
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            bad = _not_finite(res.loss, gnorm)
+            if bad and skipped < tc.skip_bad_steps:  # drop this batch's update, keep going
+                skipped += 1
+                opt.zero_grad(set_to_none=True)
+                tqdm.write(f"warning: step {step + 1}: {bad}; update skipped ({skipped}/{tc.skip_bad_steps})",
+                           file=sys.stderr)
+                continue
+            if bad:
+                bar.close()
+                raise UserError(f"training diverged at step {step + 1}: {bad}; stopped, {_kept(saved)}; "
+                                f"lower --lr or pass --skip-bad-steps N")
             opt.step()
             step += 1
             tokens_per_s = x.numel() / (time.perf_counter() - t0)  # training only, before validation
@@ -170,13 +215,20 @@ def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Pa
                 v = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
                 row.update(val_loss=v["val_loss"], val_bpb=v["val_bpb"], val_compression=v["compression"])
             row["tokens_per_s"] = tokens_per_s
-            log.write(json.dumps(row) + "\n")
+            bad = next((f"{k} is {v}" for k, v in row.items() if not math.isfinite(v)), None)
+            if bad:
+                bar.close()
+                raise UserError(f"training diverged at step {step}: {bad}; stopped, {_kept(saved)}")
+            log.write(json.dumps(row, allow_nan=False) + "\n")
             log.flush()
-            if step % tc.save_every == 0 or step == total:
+            if step % tc.save_every == 0 or step == total or stop.signum is not None:
                 ck.save_checkpoint(out, model, opt, {"step": step, "data_position": sampler.position})
+                saved = step
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",
                             comp=f"{row['compression']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            if stop.signum is not None and step < total:
+                bar.close()
+                raise Interrupted(f"stopped by {stop.name} at step {step}/{total}: checkpoint saved in {out}; "
+                                  f"continue with --resume", 128 + stop.signum)
     bar.close()
-
-
