@@ -10,8 +10,9 @@
 - ``ratio_loss``: keeps the realised compression near R.
 - ``gather_concepts``: the padded (B, C, D) concept tensor (boundary state or mean since the
   previous boundary), its mask and per-concept probabilities.
-- ``dechunk``: EMA over concepts (parallel scan, ``scan.py``), broadcast back to tokens, times the
-  straight-through estimator of the probability of the decision taken.
+- ``dechunk``: EMA over concepts (parallel scan, ``scan.py``) of the concept outputs (or of the
+  concept model's updates c_out - c_in), broadcast back to tokens, times the straight-through
+  estimator of the probability of the decision taken.
 
 Shape legend: B batch, T tokens, C concepts (max over the batch), D d_model.
 """
@@ -120,12 +121,15 @@ def sharpen(p: torch.Tensor, s: float) -> torch.Tensor:
     return torch.where(p >= 0.5, p.pow(1 / s), 1 - (1 - p).pow(1 / s))
 
 
-def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float) -> torch.Tensor:
-    """Boundary decisions (B, T) bool. Training with noise samples from the global torch RNG."""
+def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float,
+               uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """Boundary decisions (B, T) bool. Training with noise samples Bernoulli(sharpen(p)): as
+    ``uniforms < sharpen(p)`` when uniforms (B, T) in [0, 1) are given, else from the global RNG."""
     if training and noise:
         with torch.no_grad():
             # A diverged router (p NaN) must reach the loss as NaN, not crash the sampler.
-            b = torch.bernoulli(sharpen(p.detach(), sharpness).nan_to_num(0.5)).bool()
+            q = sharpen(p.detach(), sharpness).nan_to_num(0.5)
+            b = uniforms.to(q) < q if uniforms is not None else torch.bernoulli(q).bool()
     else:
         b = p >= 0.5
     b[:, 0] = True  # a sequence always starts a concept (p_0 = 1 already; be exact)
@@ -141,7 +145,11 @@ def ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: float,
         n = valid.float().sum().clamp_min(1)
         Fm = ((b & valid).float().sum() / n).detach()
         G = (p.float() * valid).sum() / n
-    R = ratio
+    return ratio_loss_fg(Fm, G, ratio)
+
+
+def ratio_loss_fg(Fm: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
+    """The ratio loss from F (fraction of boundaries, no grad) and G (mean probability)."""
     return R / (R - 1) * ((R - 1) * Fm * G + (1 - Fm) * (1 - G))
 
 
@@ -178,13 +186,17 @@ def ste_ones(x: torch.Tensor) -> torch.Tensor:
     return 1 + x - x.detach()
 
 
-def dechunk(chunks: Chunks, c_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """EMA the concept outputs (B, C, D) and broadcast to tokens.
+def dechunk(chunks: Chunks, c_out: torch.Tensor,
+            c_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """EMA the concept outputs (B, C, D), or with ``c_in`` the updates c_out - c_in, and broadcast to tokens.
 
     Returns (z_tok, z_scaled): z_tok = z_{j(t)} (B, T, D) for joint decoding, and
-    z_scaled = z_tok · STE(P_t) to add to the residual stream.
+    z_scaled = z_tok · STE(P_t) to add to the residual stream. Carrying the update
+    (``dechunk_source="update"``) keeps ĥ from being counted twice: with every token a concept
+    and p = 1, ĥ_t + z_t is exactly the concept model's output at t.
     """
-    z = ema_scan(chunks.concept_p, c_out)  # (B, C, D)
+    src = c_out if c_in is None else c_out - c_in
+    z = ema_scan(chunks.concept_p, src)  # (B, C, D)
     idx = chunks.concept_index.unsqueeze(-1).expand(-1, -1, z.shape[-1])
     z_tok = torch.gather(z, 1, idx)  # (B, T, D)
     P = torch.where(chunks.b, chunks.p, 1 - chunks.p)  # probability of the decision taken

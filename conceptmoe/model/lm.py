@@ -6,7 +6,9 @@ predict labels at t+1; -100 is ignored) and return a ``ModelOutput``.
 
 ConceptMoE forward: embed -> encoder blocks (token rate) -> chunk (p, boundaries, concepts)
 -> concept blocks on the padded (B, C, D) concepts, looped ``concept_loops`` times
--> dechunk (EMA scan, STE) -> decoder blocks with joint decoding -> norm -> LM head.
+-> dechunk (EMA scan, STE) -> decoder blocks (joint decoding in the last ``n_joint_layers``)
+-> norm -> LM head. The dechunk carries the concept output (reference) or, with
+``dechunk_source="update"``, the concept model's update c_out - c_in.
 RoPE choice: concepts use their concept index 0..C-1 as position (tokens use t).
 
 Shape legend: B batch, T tokens, C concepts, D d_model, V vocab.
@@ -21,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, RMSNorm, rope_tables
-from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss
+from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss_fg
 from .config import ModelConfig
 from .moe import MoE, MoEAux
+from .stats import ChunkStats, Reduce, router_losses
 
 
 @dataclass
@@ -71,6 +74,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatch = "grouped"  # "grouped" | "split" | "loop" (reference), see moe.py
+        # Sums a 1-D tensor over data-parallel processes; set by whoever parallelizes the model.
+        self.stats_reduce: Reduce | None = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -89,11 +94,15 @@ class LanguageModel(nn.Module):
         pos = torch.arange(offset, offset + n, device=device)[None]
         return rope_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
-    def _finish(self, x: torch.Tensor, labels: torch.Tensor | None, moe_aux: list[MoEAux],
-                extra: dict[str, torch.Tensor], extra_loss: torch.Tensor | None) -> ModelOutput:
+    def _router_terms(self, moe_aux: list[MoEAux], chunk: ChunkStats | None = None):
+        """(balance, z-loss, chunk (F, G, compression)): global over data-parallel processes
+        while training when ``stats_reduce`` is set (``stats.py``), else over this batch."""
+        reduce = self.stats_reduce if self.training else None
+        return router_losses([a.stats for a in moe_aux], reduce, chunk)
+
+    def _finish(self, x: torch.Tensor, labels: torch.Tensor | None, balance: torch.Tensor,
+                z_loss: torch.Tensor, extra: dict[str, torch.Tensor], extra_loss: torch.Tensor | None) -> ModelOutput:
         logits = self.lm_head(self.norm(x))
-        balance = torch.stack([a.balance_loss for a in moe_aux]).mean()
-        z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         aux = {"balance_loss": balance, "router_z_loss": z_loss, **extra}
         loss = None
         if labels is not None:
@@ -127,9 +136,9 @@ class MoELM(LanguageModel):
         for blk in self.layers:
             x, a = blk(x, cos, sin, dispatch=self.dispatch)
             moe_aux.append(a)
+        balance, z_loss, _ = self._router_terms(moe_aux)
         ratio = torch.zeros((), device=x.device)
-        out = self._finish(x, labels, moe_aux, {"ratio_loss": ratio, "compression": 1.0}, None)
-        return out
+        return self._finish(x, labels, balance, z_loss, {"ratio_loss": ratio, "compression": 1.0}, None)
 
 
 class ConceptMoELM(LanguageModel):
@@ -142,8 +151,9 @@ class ConceptMoELM(LanguageModel):
         self.chunk = ChunkRouter(cfg.d_model, cfg.chunk_router, cfg.compression_ratio)
         self.concept = nn.ModuleList(Block(cfg, cfg.concept_experts, cfg.concept_k)
                                      for _ in range(cfg.n_concept_layers))
-        self.decoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k, joint=cfg.joint_decoding)
-                                     for _ in range(cfg.n_decoder_layers))
+        first_joint = cfg.n_decoder_layers - cfg.n_joint_layers  # joint decoding in the last K layers
+        self.decoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k, joint=i >= first_joint)
+                                     for i in range(cfg.n_decoder_layers))
         self._init_weights()
 
     def encode(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
@@ -165,7 +175,11 @@ class ConceptMoELM(LanguageModel):
         return c, aux
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                boundaries_override: torch.Tensor | None = None) -> ModelOutput:
+                boundaries_override: torch.Tensor | None = None,
+                boundary_noise: torch.Tensor | None = None) -> ModelOutput:
+        """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
+        drawn from the global RNG); the trainer passes them per global sequence, so that the
+        samples do not depend on how a batch is split over processes."""
         cfg = self.cfg
         h, moe_aux = self.encode(input_ids)  # (B, T, D)
         p = self.chunk(h)  # (B, T)
@@ -173,22 +187,23 @@ class ConceptMoELM(LanguageModel):
             b = boundaries_override.to(torch.bool).clone()
             b[:, 0] = True
         else:
-            b = boundaries(p, self.training, cfg.boundary_noise, cfg.boundary_sharpness)
+            b = boundaries(p, self.training, cfg.boundary_noise, cfg.boundary_sharpness, boundary_noise)
         ch = gather_concepts(h, p, b, cfg.concept_pooling)
         c, aux_c = self.run_concepts(ch.concepts, ch.mask)  # (B, C, D)
-        z_tok, z_res = dechunk(ch, c)
+        z_tok, z_res = dechunk(ch, c, ch.concepts if cfg.dechunk_source == "update" else None)
         x = h + z_res
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         aux_d = []
         for blk in self.decoder:
             x, a = blk(x, cos, sin, z=z_tok, dispatch=self.dispatch)
             aux_d.append(a)
-        rl = ratio_loss(p, b, cfg.compression_ratio)
-        compression = b.numel() / max(int(b.sum()), 1)
-        extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": p.mean().detach()}
+        chunk = ChunkStats(p.float().sum(), b.sum(), torch.tensor(b.numel(), device=b.device))
+        balance, z_loss, (F_, G, compression) = self._router_terms(moe_aux + aux_c + aux_d, chunk)
+        R = cfg.compression_ratio
+        rl = ratio_loss_fg(F_, G, R) if R > 1 else p.new_zeros(())
+        extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": G.detach()}
         use_ratio = cfg.chunk_router != "fixed"
-        out = self._finish(x, labels, moe_aux + aux_c + aux_d, extra,
-                           cfg.ratio_loss_weight * rl if use_ratio else None)
+        out = self._finish(x, labels, balance, z_loss, extra, cfg.ratio_loss_weight * rl if use_ratio else None)
         out.boundaries, out.chunks = b, ch
         return out
 

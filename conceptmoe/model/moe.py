@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .stats import RouterStats
+
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 
@@ -41,6 +43,7 @@ class MoEAux:
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
     expert_counts: torch.Tensor  # (E,) routed slots per expert (no grad)
+    stats: RouterStats  # the sums these are made of (global means under data parallelism)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -100,14 +103,15 @@ class MoE(nn.Module):
     def aux_terms(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> MoEAux:
         E = self.n_experts
         counts = torch.bincount(idx.flatten(), minlength=E)
+        z_all = torch.logsumexp(logits, dim=-1).pow(2)
+        stats = RouterStats(probs.sum(0), z_all.sum(), counts.detach(), idx.shape[0], self.top_k)
         if idx.shape[0] == 0:
             zero = logits.sum() * 0
-            return MoEAux(zero, zero, counts)
+            return MoEAux(zero, zero, counts, stats)
         f = counts.float() / idx.numel()  # fraction of routed slots per expert
         P = probs.mean(0)
         balance = E * (f * P).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return MoEAux(balance, z_loss, counts.detach())
+        return MoEAux(balance, z_all.mean(), counts.detach(), stats)
 
     # ----- expert compute -----
     def _experts_loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
