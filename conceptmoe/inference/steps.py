@@ -10,7 +10,8 @@ skip padding and boundaries are never taken on padding.
 
 ``decode_step(model, state, tokens)`` feeds one token per row: encoder step -> p_t against the
 cached key -> rows with p_t >= 0.5 step the concept model once (ragged concept caches: the
-others do not touch theirs) and update z; the others carry z -> decoder step with joint
+others do not touch theirs) and update z with the concept output, or with
+``dechunk_source="update"`` the update c_out - c_in; the others carry z -> decoder step with joint
 decoding -> logits. Boundaries are always the deterministic p >= 0.5 (inference rule).
 
 The full forward pass of ``model/lm.py`` is the reference: tests check every cached step against it.
@@ -122,7 +123,8 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
         for i, blk in enumerate(model.concept):
             c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, ch.mask, model.dispatch)
     concepts.lengths = ch.mask.sum(1).tolist()
-    z_tok, z_res = dechunk(ch, c)  # (B, T, D) each
+    update = cfg.dechunk_source == "update"
+    z_tok, z_res = dechunk(ch, c, ch.concepts if update else None)  # (B, T, D) each
     x = h + z_res
     for i, blk in enumerate(model.decoder):
         x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, valid, model.dispatch, z=z_tok)
@@ -173,7 +175,8 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
     if ck.pool_sum is not None:
         pooled = (ck.pool_sum + h) / (ck.pool_count + 1)[:, None].to(h.dtype)
     if rows.numel():
-        c = (pooled if ck.pool_sum is not None else h)[rows][:, None]  # (n, 1, D)
+        c_in = (pooled if ck.pool_sum is not None else h)[rows]  # (n, D)
+        c = c_in[:, None]  # (n, 1, D)
         cpos = torch.tensor([state.concepts.lengths[r] for r in rows.tolist()], device=dev)
         ccos, csin = _rope(model, cpos[:, None], x.dtype)
         for loop in range(cfg.concept_loops):
@@ -183,7 +186,8 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
         state.concepts.advance(rows)
         pr = p[rows, None].to(z.dtype)
         z = z.clone()
-        z[rows] = pr * c[:, 0] + (1 - pr) * z[rows]  # EMA update of the rows with a boundary
+        src = c[:, 0] - c_in if cfg.dechunk_source == "update" else c[:, 0]
+        z[rows] = pr * src + (1 - pr) * z[rows]  # EMA update of the rows with a boundary
         state.dechunk.z = z
         for r in rows.tolist():
             state.boundaries[r].append(int(pos[r]))

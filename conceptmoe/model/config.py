@@ -22,6 +22,11 @@ from typing import Any
 KINDS = ("moe", "conceptmoe")
 CHUNK_ROUTERS = ("cosine", "linear", "fixed")
 CONCEPT_POOLING = ("boundary", "mean")
+DECHUNK_SOURCES = ("output", "update")
+# Fields added after runs were stored: written by ``to_dict`` only when they differ from these
+# defaults, so configs stored before they existed still compare equal (``--resume``, ``compare``
+# reuse) and the JSON of every config that does not use them stays byte-identical.
+LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None}
 QK_NORMS = ("none", "head", "full")
 
 
@@ -61,6 +66,11 @@ class ModelConfig:
     ratio_loss_weight: float = 0.03
     concept_pooling: str = "boundary"  # "boundary": c_j = h at boundary; "mean": mean since last
     joint_decoding: bool = True
+    joint_layers: int | None = None  # joint decoding in the last K decoder layers (None: all of them)
+    # What the dechunk EMA carries: "output" = the concept model's output c_out (reference), or
+    # "update" = c_out - c_in, so that h_t + z reproduces a plain MoE exactly when every token is a
+    # concept with p = 1 (a converted MoE starts where it was; see interop/convert.py).
+    dechunk_source: str = "output"
     concept_loops: int = 1  # run the concept-model layers this many times
     concept_n_experts: int | None = None  # None: same as n_experts
     concept_top_k: int | None = None  # None: same as top_k
@@ -97,12 +107,17 @@ class ModelConfig:
             bad("rope_theta", "rope_theta and norm_eps must be > 0")
         if self.kind == "moe":
             return
-        if not self.compression_ratio > 1:
-            bad("compression_ratio", "ConceptMoE needs R > 1")
+        if not (self.compression_ratio > 1 or (self.compression_ratio == 1 and self.chunk_router == "fixed")):
+            bad("compression_ratio", "ConceptMoE needs R > 1 (R = 1 only with chunk_router='fixed')")
         if self.chunk_router not in CHUNK_ROUTERS:
             bad("chunk_router", f"must be one of {CHUNK_ROUTERS}")
         if self.concept_pooling not in CONCEPT_POOLING:
             bad("concept_pooling", f"must be one of {CONCEPT_POOLING}")
+        if self.dechunk_source not in DECHUNK_SOURCES:
+            bad("dechunk_source", f"must be one of {DECHUNK_SOURCES}")
+        if self.joint_layers is not None and not (isinstance(self.joint_layers, int)
+                                                  and 0 <= self.joint_layers <= self.n_decoder_layers):
+            bad("joint_layers", f"must be None or an integer in [0, n_decoder_layers={self.n_decoder_layers}]")
         if self.boundary_sharpness < 1:
             bad("boundary_sharpness", "must be >= 1")
         if self.n_encoder_layers < 1 or self.n_decoder_layers < 1:
@@ -128,6 +143,13 @@ class ModelConfig:
         if not self.is_concept:
             return self.n_layers
         return self.n_layers - self.n_encoder_layers - self.n_decoder_layers
+
+    @property
+    def n_joint_layers(self) -> int:
+        """Decoder layers with joint decoding: the last ``joint_layers`` (None: all)."""
+        if not self.is_concept or not self.joint_decoding:
+            return 0
+        return self.n_decoder_layers if self.joint_layers is None else self.joint_layers
 
     @property
     def concept_experts(self) -> int:
@@ -161,7 +183,11 @@ class ModelConfig:
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for name, default in LATE_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -240,8 +266,11 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+NULLABLE = ("concept_n_experts", "concept_top_k", "joint_layers")  # int or None
+
+
 def _coerce(key: str, raw: str, default: Any) -> Any:
-    if raw.lower() in ("none", "null") and key.startswith("concept_"):
+    if raw.lower() in ("none", "null") and key in NULLABLE:
         return None
     try:
         if isinstance(default, bool):
@@ -250,7 +279,7 @@ def _coerce(key: str, raw: str, default: Any) -> Any:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if isinstance(default, int) or key in ("concept_n_experts", "concept_top_k"):
+        if isinstance(default, int) or key in NULLABLE:
             return int(raw)
         if isinstance(default, float):
             return float(raw)

@@ -61,7 +61,9 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
     token_layers: list[LayerCost] = []
     if cfg.is_concept:
         token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, False)] * cfg.n_encoder_layers
-        token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, cfg.joint_decoding)] * cfg.n_decoder_layers
+        n_joint = cfg.n_joint_layers
+        token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, False)] * (cfg.n_decoder_layers - n_joint)
+        token_layers += [_block(cfg, cfg.n_experts, cfg.top_k, True)] * n_joint
         concept_layers = [_block(cfg, cfg.concept_experts, cfg.concept_k, False)] * cfg.n_concept_layers
         loops = cfg.concept_loops
         chunk_macs = {"cosine": 2 * d * d, "linear": d, "fixed": 0}[cfg.chunk_router]
