@@ -75,3 +75,19 @@ def test_joint_projections_matter_in_the_trained_like_model():
         without = model(ids).logits
     # Every position's logits move by far more than the 1e-4 the cache test allows.
     assert (with_joint - without).abs().amax(-1).min() > 1e-3
+
+
+def test_p_exactly_one_half_is_a_boundary_in_every_path():
+    """A linear router with zero weights gives p = sigmoid(0) = 0.5 exactly, at every token:
+    eval, prefill and the decode step must all take it as a boundary (p >= 0.5), and agree."""
+    model = trained_like(seed=0, chunk_router="linear").eval()
+    with torch.no_grad():
+        model.chunk.score.weight.zero_()
+        model.chunk.score.bias.zero_()
+        seqs, logits, state = _decode(model, n_new=6)
+        for i, n in enumerate(LENS):
+            full = model(torch.tensor(seqs[i])[None])
+            assert bool(full.boundaries.all())
+            assert state.concepts.lengths[i] == len(seqs[i])  # one concept per token
+            got = torch.stack([step[i] for step in logits])
+            torch.testing.assert_close(got, full.logits[0, n - 1:], atol=1e-4, rtol=0)

@@ -48,6 +48,7 @@ def test_sharpen_and_the_eval_rule_agree_on_the_side_of_one_half():
     p_half = torch.full((1, 4000), 0.5)
     torch.manual_seed(0)
     assert boundaries(p_half, training=True, noise=True, sharpness=6.0).float().mean() > 0.8
+    assert boundaries(p_half, training=False, noise=True, sharpness=6.0).all()
 
 
 @pytest.mark.parametrize("R", [1.5, 2.0, 4.0])

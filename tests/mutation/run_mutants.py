@@ -1,0 +1,185 @@
+"""Mutation check: break one line of the method at a time and make sure the tests notice.
+
+    python tests/mutation/run_mutants.py              # every mutant, ~2-3 min on one core
+    python tests/mutation/run_mutants.py --only router-swap-forward ste-no-gradient
+    python tests/mutation/run_mutants.py --list
+
+The package and the tests are copied to a temporary directory once. For each mutant the
+script puts back the original files, replaces one exact line fragment in the copy (the
+fragment must occur exactly once), and runs only the test files named for that mutant, with
+the copy first on the import path (the script checks that ``import conceptmoe`` resolves to
+the copy, never to the working tree or an installed package). A mutant is *killed* when
+pytest reports a failing test. The unmutated copy must pass those same tests first.
+
+Prints a table mutant -> killed / SURVIVED (with the first test that failed) and exits 1 if
+any mutant survived. ``--tests FILE ...`` runs the given test files against every mutant
+instead, e.g. the suite without the method-path tests, to see what they add.
+Run with ``OMP_NUM_THREADS=1`` on a shared machine (the script sets it for pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact fragment, must occur once
+    new: str
+    tests: tuple[str, ...]  # test files that should kill it
+    why: str = ""
+
+
+CHUNK, LM, STEPS = "conceptmoe/model/chunking.py", "conceptmoe/model/lm.py", "conceptmoe/inference/steps.py"
+GRAD = ("tests/test_gradient_paths.py", "tests/test_model.py")
+CACHE = ("tests/test_cached_trained.py", "tests/test_generate.py")
+
+MUTANTS = [
+    # --- issue 8 part D: each of these survived the suite before ---
+    Mutant("router-swap-forward", CHUNK, "q, k = self.wq(h), self.wk(h)", "q, k = self.wk(h), self.wq(h)",
+           ("tests/test_router_paths.py",), "W_q and W_k swapped in the full router"),
+    Mutant("router-swap-step", CHUNK, "q, key = self.wq(h), self.wk(h)", "q, key = self.wk(h), self.wq(h)",
+           ("tests/test_router_paths.py", *CACHE), "W_q and W_k swapped in ChunkRouter.step"),
+    Mutant("prefill-key-uses-wq", STEPS, "chunk.last_key = model.chunk.wk(", "chunk.last_key = model.chunk.wq(",
+           ("tests/test_router_paths.py", *CACHE), "prefill caches W_q h instead of W_k h"),
+    Mutant("decode-drops-joint-z", STEPS, "model.dispatch, z=zq)", "model.dispatch, z=None)",
+           CACHE, "decoder decode step without the concept (joint decoding)"),
+    Mutant("ste-no-gradient", CHUNK, "return 1 + x - x.detach()", "return torch.ones_like(x)",
+           GRAD, "straight-through estimator passes no gradient"),
+    Mutant("ema-detach-p", CHUNK, "ema_scan(chunks.concept_p, ", "ema_scan(chunks.concept_p.detach(), ",
+           GRAD, "no gradient through the EMA weights"),
+    Mutant("drop-ratio-loss", LM, "cfg.ratio_loss_weight * rl if use_ratio else None)", "None)",
+           GRAD, "ratio loss left out of the total loss"),
+    # --- more of the method ---
+    Mutant("ste-on-p-not-P", CHUNK, "P = torch.where(chunks.b, chunks.p, 1 - chunks.p)", "P = chunks.p",
+           GRAD, "STE on p instead of the probability of the decision taken"),
+    Mutant("sharpen-exponent", CHUNK, "p.pow(1 / s), 1 - (1 - p).pow(1 / s)", "p.pow(s), 1 - (1 - p).pow(s)",
+           ("tests/test_chunking.py", "tests/test_review_fixes.py"), "sharpen flattens instead of sharpening"),
+    Mutant("noise-without-sharpen", CHUNK, "sharpen(p.detach(), sharpness)", "(p.detach())",
+           ("tests/test_chunking.py", "tests/test_review_fixes.py"),
+           "boundary noise samples from p itself"),
+    Mutant("eval-threshold-strict", CHUNK, "b = p >= 0.5", "b = p > 0.5",
+           ("tests/test_chunking.py", "tests/test_review_fixes.py"), "p = 0.5 is not a boundary in eval"),
+    Mutant("decode-threshold-strict", STEPS, "b = p >= 0.5  # (B,)", "b = p > 0.5  # (B,)",
+           CACHE, "p = 0.5 is not a boundary in the decode step"),
+    Mutant("ema-weights-swapped", "conceptmoe/model/scan.py", "return linear_scan(c, ema_log_decay(p), block, scale=p)",
+           "return linear_scan(c, ema_log_decay(1 - p), block, scale=1 - p)",
+           ("tests/test_scan.py", *GRAD), "EMA recurrence z = (1-p)c + p z_prev"),
+    Mutant("decode-ema-weights", STEPS, "pr = p[rows, None].to(z.dtype)", "pr = (1 - p[rows, None]).to(z.dtype)",
+           CACHE, "EMA weights p and 1 - p swapped in the decode step"),
+    Mutant("dechunk-reads-next-concept", CHUNK,
+           "idx = chunks.concept_index.unsqueeze(-1)",
+           "idx = (chunks.concept_index + 1).clamp(max=z.shape[1] - 1).unsqueeze(-1)",
+           ("tests/test_model.py",), "a token reads the next concept (not causal)"),
+    Mutant("mean-pool-not-causal", CHUNK, "seg = cidx + 1 - b.long()", "seg = cidx",
+           ("tests/test_chunking.py", "tests/test_model.py"), "mean pooling merges tokens after the boundary"),
+    Mutant("joint-drops-wv", "conceptmoe/model/attention.py",
+           "q, k, v = q + self.jq(z), k + self.jk(z), v + self.jv(z)",
+           "q, k, v = q + self.jq(z), k + self.jk(z), v", ("tests/test_model.py",),
+           "joint decoding leaves the values alone"),
+    Mutant("balance-loss-sign", "conceptmoe/model/moe.py", "balance = E * (f * P).sum()",
+           "balance = -E * (f * P).sum()", ("tests/test_moe.py", "tests/test_gradient_paths.py"),
+           "load-balancing loss rewards imbalance"),
+    Mutant("ratio-loss-G-term", CHUNK, "(1 - Fm) * (1 - G))", "(1 - Fm) * G)",
+           ("tests/test_chunking.py",), "ratio loss with the wrong G term"),
+    Mutant("flops-concept-not-scaled", "conceptmoe/model/flops.py",
+           "concept_macs = sum(c.macs for c in concept_layers) * loops / R",
+           "concept_macs = sum(c.macs for c in concept_layers) * loops",
+           ("tests/test_flops.py",), "concept layers counted at token rate"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    shutil.copytree(ROOT / "conceptmoe", dest / "conceptmoe", ignore=ignore)
+    shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+def environment(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(copy), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def check_imports_copy(copy: Path, env: dict[str, str]) -> None:
+    out = subprocess.run([sys.executable, "-c", "import conceptmoe; print(conceptmoe.__file__)"],
+                         cwd=copy, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(out).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"import conceptmoe resolves to {out}, not to the copy in {copy}")
+
+
+def run_tests(copy: Path, env: dict[str, str], tests: tuple[str, ...],
+              timeout: float) -> tuple[str, str, float]:
+    """(status, first failing test, seconds); status 'pass', 'fail' (a test failed), 'error'
+    (pytest could not run, e.g. the mutant does not import) or 'timeout'."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", *tests]
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", "", time.perf_counter() - t0
+    failed = [line.split()[1] for line in res.stdout.splitlines() if line.startswith("FAILED ")]
+    status = {0: "pass", 1: "fail"}.get(res.returncode, "error")
+    return status, (failed[0].split(" - ")[0] if failed else ""), time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run just these mutants")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per pytest run (default 300)")
+    ap.add_argument("--tests", nargs="+", metavar="FILE",
+                    help="run these test files against every mutant instead of each mutant's own list")
+    args = ap.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(mutants) != len(set(args.only)):
+        raise SystemExit(f"unknown mutant in {args.only}; see --list")
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:28} {m.path}: {m.why}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="conceptmoe-mutants-") as tmp:
+        copy = Path(tmp)
+        copy_tree(copy)
+        env = environment(copy)
+        check_imports_copy(copy, env)
+        originals = {m.path: (copy / m.path).read_text() for m in mutants}
+        for m in mutants:
+            if originals[m.path].count(m.old) != 1:
+                raise SystemExit(f"{m.name}: fragment {m.old!r} must occur once in {m.path}")
+        tests_of = {m.name: tuple(args.tests) if args.tests else m.tests for m in mutants}
+        needed = tuple(sorted({t for m in mutants for t in tests_of[m.name]}))
+        status, _, secs = run_tests(copy, env, needed, args.timeout)
+        if status != "pass":
+            raise SystemExit(f"the unmutated copy does not pass {needed} ({status}); fix that first")
+        print(f"unmutated: {len(needed)} test files pass ({secs:.0f} s)")
+        rows = []
+        for m in mutants:
+            for path, text in originals.items():
+                (copy / path).write_text(text)
+            (copy / m.path).write_text(originals[m.path].replace(m.old, m.new))
+            status, by, secs = run_tests(copy, env, tests_of[m.name], args.timeout)
+            verdict = "SURVIVED" if status == "pass" else f"killed ({status})" if status != "fail" else "killed"
+            rows.append((m, verdict, secs))
+            print(f"{m.name:28} {verdict:16} {secs:5.1f} s  {by or m.why}", flush=True)
+    survivors = [m.name for m, v, _ in rows if v == "SURVIVED"]
+    print(f"\n{len(rows) - len(survivors)}/{len(rows)} mutants killed"
+          + (f"; survived: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
