@@ -70,6 +70,9 @@ def _register_train(sub) -> None:
     p.add_argument("--val-tokens", type=int, help="cap on the held-out tokens of the final validation (default 1M)")
     p.add_argument("--skip-bad-steps", type=int, metavar="N",
                    help="skip up to N steps whose loss or gradient is not finite (default 0: stop at the first)")
+    p.add_argument("--init", metavar="RUN",
+                   help="start from this run's weights, model config and tokenizer (continual training: fresh "
+                        "optimizer, new schedule); --set may change fields that keep the weights' shapes")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--force", action="store_true", help="replace a run already in --out")
     p.set_defaults(func=cmd_train)
@@ -77,7 +80,10 @@ def _register_train(sub) -> None:
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from flags; with --resume, flags left out come from the stored run."""
-    given = {k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None}
+    given = {k: getattr(args, k) for k in _TRAIN_FLAGS + ("init",) if getattr(args, k, None) is not None}
+    clash = [k for k in ("model", "preset", "ratio", "strategy") if k in given and "init" in given]
+    if clash:
+        raise UserError(f"--init takes the model from the init run; leave out --{clash[0]}")
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
     return resolve_train_config(given, args.resume, args.force)
@@ -143,16 +149,49 @@ def _register_compare(sub) -> None:
                    help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
     p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
     p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
+    p.add_argument("--init", metavar="MOE_RUN",
+                   help="continual-training mode: continue this MoE run vs its ConceptMoE conversions (default "
+                        "--ratios 1.5,2, --strategies topk,loop: loop = concept layers run twice) for --tokens "
+                        "each (default 500k), with the MoE's tokenizer and data; report.md in --out "
+                        "(default runs/ct-<run name>)")
+    p.add_argument("--chunk-lr-mult", type=finite_float, help="with --init: learning-rate multiplier of the new chunk router")
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if args.init is not None:
+        return _cmd_compare_ct(args)
+    if args.chunk_lr_mult is not None:
+        raise UserError("--chunk-lr-mult applies to the continual-training mode (--init)")
     given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
                                           "out", "batch_size", "seq_len", "lr", "device")
              if getattr(args, k) is not None}
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
     out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force))
+    print((out / "report.md").read_text())
+    print(f"report written to {out}/report.md, report.json and curves.png")
+    return 0
+
+
+def _cmd_compare_ct(args: argparse.Namespace) -> int:
+    from ..interop.ct import CTConfig, continual_compare
+
+    if args.ablations or args.preset or args.data:
+        raise UserError("--init compares continual training from that run: leave out --ablations, --preset and --data")
+    if args.seeds is not None and len(args.seeds) != 1:
+        raise UserError("--init runs one seed: give --seeds N with a single value")
+    strategies = args.strategies or ["topk", "loop"]
+    if not set(strategies) <= {"topk", "loop"}:
+        raise UserError("--init converts by topk (more activated experts) or loop (concept layers run twice)")
+    given = {k: getattr(args, k) for k in ("ratios", "tokens", "out", "batch_size", "seq_len", "lr", "device",
+                                          "chunk_lr_mult") if getattr(args, k) is not None}
+    if args.seeds:
+        given["seed"] = args.seeds[0]
+    if args.overrides is not None:
+        given["overrides"] = parse_overrides(args.overrides)
+    variants = [{"topk": "topk", "loop": "loop2"}[s] for s in strategies]
+    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, **given))
     print((out / "report.md").read_text())
     print(f"report written to {out}/report.md, report.json and curves.png")
     return 0

@@ -19,6 +19,7 @@ from ..model.config import ModelConfig
 from ..model.match import match_config
 from . import checkpoint as ck
 from .data import DEFAULT_CORPUS
+from .init_run import resolve_init
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
 STRATEGIES = ("topk", "layers", "loop")
@@ -62,6 +63,8 @@ class TrainConfig:
     val_tokens: int | None = 1_000_000  # cap on the final validation (None: all held-out text)
     skip_bad_steps: int = 0  # steps with a non-finite loss/gradient to skip before stopping
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
+    init: str | None = None  # start from this run's weights, model config and tokenizer (continual training)
+    init_model: dict[str, Any] | None = None  # the init run's model config, stored so that --resume needs only the run
     resume: bool = False
     force: bool = False
     progress: bool = True
@@ -96,6 +99,14 @@ class TrainConfig:
         if self.model == "conceptmoe" and not 1 < self.ratio <= MAX_RATIO:
             raise UserError(f"--ratio must be > 1 and <= {MAX_RATIO} (got {self.ratio:g})")
         self.data = resolve_data(self.data)  # stored resolved: resumable from anywhere
+        if self.init is not None:
+            if self.strategy:
+                raise UserError("--init takes the model from the init run; it cannot be combined with --strategy")
+            self.init, self.init_model = resolve_init(self.init, self.init_model)
+            if self.out and Path(self.out).resolve() == Path(self.init):
+                raise UserError("--init and --out must be different runs")
+            self.model = self.init_model.get("kind", "conceptmoe")
+            self.tokenizer = self.tokenizer or str(Path(self.init) / "tokenizer.json")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -123,6 +134,8 @@ def resolve_data(data: str | None) -> str | None:
 def model_config(tc: TrainConfig) -> ModelConfig:
     """The ModelConfig a TrainConfig asks for (preset, kind, R, matching strategy, --set)."""
     try:
+        if tc.init_model is not None:  # --init: the init run's model, with --set on top
+            return ModelConfig.from_dict({**tc.init_model, **tc.overrides})
         if tc.strategy:
             # Ablation knobs change the ConceptMoE, not the baseline it is matched to.
             shared = {k: v for k, v in tc.overrides.items() if k not in CONCEPT_ONLY}

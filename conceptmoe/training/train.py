@@ -32,6 +32,7 @@ from .data import DOC_SEP, BatchSampler, check_record, load_corpus
 from .evaluate import evaluate_tokens
 from .lock import RunLock, holds_only_lock
 from .signals import StopOnSignal
+from .init_run import load_init_weights
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
 
 
@@ -119,6 +120,8 @@ def train(tc: TrainConfig) -> Path:
                                             "model": mc.to_dict(), "train": tc.to_dict(), "data": data})
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(device)
+        if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
+            load_init_weights(model, tc.init, device)
         opt = make_optimizer(model, tc)
         step = 0
         ckpt = ck.latest_checkpoint(out) if stored is not None else None

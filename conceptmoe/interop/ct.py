@@ -1,0 +1,208 @@
+"""Continual-training comparison: converted ConceptMoEs vs continuing the MoE (issue 10 C, CONCEPTMOE.md §5).
+
+``continual_compare(CTConfig) -> Path`` takes a trained or imported MoE run and, on the same data,
+tokenizer (the MoE's), token budget and seed, trains from its weights (``train --init``):
+
+- ``moe``: the MoE itself, continued (the fair CT baseline: it sees the same extra tokens);
+- for every R in ``ratios``: ``R<r>-topk``, the conversion compute-matched by more activated
+  experts in the concept layers (``convert --strategy topk``), and ``R<r>-loop2``, the conversion
+  whose concept layers run twice (``convert --loops 2``, the source's top-k: at R = 2 about the
+  MoE's FLOPs, at R = 1.5 more; the table says how much).
+
+Before the first CT step every model is validated on the same held-out slice as the periodic
+validations (``val_bpb_start``: what the switch costs); the curve then follows CT from there.
+Layout: ``out/converted/<label>`` (the converted runs), ``out/<label>`` (the CT runs),
+``report.json``, ``report.md``, ``curves.png``. Rerunning with the same settings reuses finished
+runs and resumes interrupted ones; other settings need ``force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+from ..model.flops import count_flops
+from ..training import checkpoint as ck
+from ..training.config import TrainConfig
+from ..training.data import DOC_SEP, load_corpus
+from ..training.evaluate import evaluate_tokens
+from ..training.lock import RunLock, holds_only_lock
+from ..training.tokenizer import byte_lengths, encode_documents, load_tokenizer
+from ..training.train import train
+from .convert import convert_run
+
+VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
+
+
+@dataclass
+class CTConfig:
+    init: str  # the MoE run to start from
+    ratios: list[float] = field(default_factory=lambda: [1.5, 2.0])
+    variants: list[str] = field(default_factory=lambda: ["topk", "loop2"])
+    tokens: int = 500_000  # CT tokens per model
+    seed: int = 0
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    chunk_lr_mult: float = 1.0
+    eval_every: int | None = None  # None: ~10 validations per run
+    device: str = "auto"
+    overrides: dict[str, Any] = field(default_factory=dict)  # --set for the converted models
+    out: str | None = None  # None: runs/ct-<init run name>
+    force: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise UserError(f"CT variants must be some of {', '.join(VARIANTS)} (got {self.variants})")
+        if not self.ratios or any(not r > 1 for r in self.ratios):
+            raise UserError(f"--ratios must be values > 1 (got {self.ratios})")
+        if self.tokens < 1:
+            raise UserError("--tokens must be positive")
+        self.init = str(Path(self.init).resolve())
+        if ck.model_config_of(ck.read_run_config(self.init)).is_concept:
+            raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")
+        self.out = self.out or f"runs/ct-{Path(self.init).name}"
+
+    def settings(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for transient in ("force", "progress", "device", "out"):
+            d.pop(transient)
+        return d
+
+
+def plan(cc: CTConfig) -> list[tuple[str, dict[str, Any] | None]]:
+    """(label, convert kwargs; None for the continued MoE), baseline first."""
+    models: list[tuple[str, dict[str, Any] | None]] = [("moe", None)]
+    for r in cc.ratios:
+        for v in cc.variants:
+            models.append((f"R{r:g}-{v}", {"ratio": float(r), "overrides": cc.overrides, **VARIANTS[v]}))
+    return models
+
+
+def _claim(out: Path, cc: CTConfig) -> None:
+    meta = out / "ct.json"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if meta.is_file():
+        if json.loads(meta.read_text()) != cc.settings():
+            if not cc.force:
+                raise UserError(f"{out} holds a CT comparison with other settings; use another --out or --force")
+            for label, _ in plan(cc):
+                for run in (out / label, out / "converted" / label):
+                    if ck.is_run(run):
+                        ck.remove_run(run)
+    elif out.is_dir() and not holds_only_lock(out) and not cc.force:
+        raise UserError(f"{out} is not empty and holds no CT comparison; choose another --out or pass --force")
+    out.mkdir(parents=True, exist_ok=True)
+    ck.write_json(meta, cc.settings())
+
+
+def continual_compare(cc: CTConfig) -> Path:
+    out = Path(cc.out)
+    src_cfg = ck.read_run_config(cc.init)
+    data = (src_cfg.get("train") or {}).get("data")
+    with RunLock(out):
+        _claim(out, cc)
+        starts = {}
+        for label, conv in plan(cc):
+            init = Path(cc.init)
+            if conv is not None:
+                init = out / "converted" / label
+                if not ck.is_run(init):
+                    convert_run(cc.init, init, seed=cc.seed, **conv)
+            run = out / label
+            if not (run / "eval.json").is_file():
+                print(f"== CT {label} from {init} -> {run}", flush=True)
+                resume = ck.latest_checkpoint(run) is not None
+                train(TrainConfig(init=str(init), data=data, out=str(run), tokens=cc.tokens, seed=cc.seed,
+                                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
+                                  chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
+                                  resume=resume, force=not resume, progress=cc.progress))
+            starts[label] = _start_bpb(init, run)
+        report = build_report(cc, starts)
+        ck.write_json(out / "report.json", report)
+        (out / "report.md").write_text(render_markdown(report))
+        plot_curves(report, out / "curves.png")
+    return out
+
+
+def _start_bpb(init: Path, run: Path) -> dict[str, float]:
+    """Validation of the starting weights on the slice the CT run validates on (before step 1)."""
+    model, cfg, tok, _ = ck.load_run(init, "cpu")
+    tc = ck.read_run_config(run)["train"]
+    corpus = load_corpus(tc.get("data"))
+    val_ids = encode_documents(load_tokenizer(run / "tokenizer.json"), [d.text for d in corpus.val], DOC_SEP)
+    res = evaluate_tokens(model, val_ids, byte_lengths(tok, cfg.vocab_size), tc["seq_len"],
+                          max_tokens=tc["eval_tokens"])
+    return {"val_bpb": res["val_bpb"], "compression": res["compression"]}
+
+
+def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str, Any]:
+    rows = []
+    for label, _ in plan(cc):
+        run = Path(cc.out) / label
+        cfg = ck.model_config_of(ck.read_run_config(run))
+        ev = json.loads((run / "eval.json").read_text())
+        metrics = ck.read_metrics(run)
+        curve = [(0, starts[label]["val_bpb"])] + [(m["tokens"], m["val_bpb"]) for m in metrics if "val_bpb" in m]
+        fl = count_flops(cfg, cc.seq_len)
+        fl_real = count_flops(cfg, cc.seq_len, compression=max(ev["compression"], 1.0))
+        tps = statistics.fmean(m["tokens_per_s"] for m in metrics[min(5, len(metrics) - 1):])
+        rows.append({"label": label, "name": cfg.name, "val_bpb": ev["val_bpb"], "val_loss": ev["val_loss"],
+                     "compression": ev["compression"], "ratio": cfg.compression_ratio if cfg.is_concept else 1.0,
+                     "val_bpb_start": starts[label]["val_bpb"], "compression_start": starts[label]["compression"],
+                     "train_bpb_first_steps": [round(m["bpb"], 4) for m in metrics[:5]],
+                     "activated_flops_per_token": fl["activated_flops_per_token"],
+                     "activated_flops_per_token_realised": fl_real["activated_flops_per_token"],
+                     "total_params": fl["total_params"], "train_tokens_per_s": tps, "curve": curve,
+                     "config": cfg.to_dict()})
+    base = rows[0]
+    for r in rows:
+        r["recovered_at_tokens"] = next((t for t, b in r["curve"] if b <= base["val_bpb_start"]), None)
+    return {"settings": cc.settings(), "init": cc.init, "models": rows}
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    head = (f"# Continual training from {report['init']}\n\n"
+            f"{s['tokens']:,} CT tokens per model; batch {s['batch_size']} x {s['seq_len']}; lr {s['lr']:g} "
+            f"(fresh AdamW, warmup + cosine); chunk-lr-mult {s['chunk_lr_mult']:g}; seed {s['seed']}. "
+            f"'start' is the held-out BPB of the weights before the first CT step (the switch); "
+            f"'back at' is the first CT token count whose held-out BPB is at or below the MoE's start.\n\n")
+    table = ["| run | model | val BPB | start BPB | back at (tokens) | compression (start -> end) | "
+             "activated MFLOPs/token at R | at realised | total params | train tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["models"]:
+        back = "-" if r["recovered_at_tokens"] is None else f"{r['recovered_at_tokens']:,}"
+        table.append(f"| {r['label']} | {r['name']} | {r['val_bpb']:.4f} | {r['val_bpb_start']:.4f} | {back} "
+                     f"| {r['compression_start']:.2f} -> {r['compression']:.2f} "
+                     f"| {r['activated_flops_per_token'] / 1e6:.2f} | {r['activated_flops_per_token_realised'] / 1e6:.2f} "
+                     f"| {r['total_params'] / 1e6:.2f}M | {r['train_tokens_per_s']:.0f} |")
+    return head + "\n".join(table) + "\n\n![CT curves](curves.png)\n"
+
+
+def plot_curves(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in report["models"]:
+        t, b = zip(*r["curve"])
+        ax.plot([x / 1e6 for x in t], b, marker="o", ms=3, label=f"{r['label']} ({r['name']})")
+    ax.set_xlabel("continual-training tokens (millions; 0 = the converted weights)")
+    ax.set_ylabel("validation bits per byte (held-out slice)")
+    ax.set_title("Continual training: converted ConceptMoE vs continued MoE")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

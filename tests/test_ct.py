@@ -1,0 +1,56 @@
+"""``compare --init`` (issue 10 C): continual training of converted ConceptMoEs vs the continued MoE."""
+
+import json
+
+import pytest
+
+from conceptmoe.cli import main
+from conceptmoe.errors import UserError
+from conceptmoe.interop.ct import CTConfig, continual_compare
+from conceptmoe.training.config import TrainConfig
+from conceptmoe.training.train import train
+from training_helpers import TINY, make_corpus
+
+SETTINGS = dict(ratios=[2.0], tokens=4 * 32 * 6, batch_size=4, seq_len=32, lr=3e-3, eval_every=3,
+                device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ct")
+    corpus = make_corpus(tmp / "corpus")
+    return train(TrainConfig(model="moe", **TINY, data=str(corpus), out=str(tmp / "moe"), max_steps=10))
+
+
+def test_ct_report(moe, tmp_path):
+    out = continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), **SETTINGS))
+    rep = json.loads((out / "report.json").read_text())
+    labels = [r["label"] for r in rep["models"]]
+    assert labels == ["moe", "R2-topk", "R2-loop2"]
+    rows = {r["label"]: r for r in rep["models"]}
+    assert rows["moe"]["name"].startswith("MoE") and rows["R2-loop2"]["config"]["concept_loops"] == 2
+    for r in rep["models"]:
+        assert r["curve"][0] == [0, r["val_bpb_start"]] and len(r["curve"]) == 3  # start, step 3, step 6
+        assert r["recovered_at_tokens"] is None or r["recovered_at_tokens"] >= 0
+    assert rows["moe"]["recovered_at_tokens"] == 0 and rows["moe"]["compression_start"] == 1.0
+    stored = json.loads((out / "R2-topk" / "config.json").read_text())["train"]
+    assert stored["init"] == str((out / "converted" / "R2-topk").resolve())
+    assert (out / "report.md").read_text().count("| R2-") == 2 and (out / "curves.png").is_file()
+    # Rerun with the same settings: nothing is retrained.
+    mtime = (out / "moe" / "eval.json").stat().st_mtime_ns
+    continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), **SETTINGS))
+    assert (out / "moe" / "eval.json").stat().st_mtime_ns == mtime
+    with pytest.raises(UserError, match="other settings"):
+        continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), **{**SETTINGS, "lr": 1e-3}))
+
+
+def test_ct_refusals(moe, tmp_path, capsys):
+    with pytest.raises(UserError, match="ConceptMoE"):
+        from conceptmoe.interop import convert_run
+        CTConfig(init=str(convert_run(moe, tmp_path / "cm")))
+    with pytest.raises(UserError, match="variants"):
+        CTConfig(init=str(moe), variants=["layers"])
+    assert main(["compare", "--init", str(moe), "--strategies", "layers", "--out", str(tmp_path / "x")]) == 2
+    assert "topk" in capsys.readouterr().err
+    assert main(["compare", "--chunk-lr-mult", "2", "--out", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

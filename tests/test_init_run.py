@@ -1,0 +1,82 @@
+"""``train --init RUN`` (issue 10 C): a run starts from another run's weights and tokenizer, resumes exactly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conceptmoe.cli import main
+from conceptmoe.errors import UserError
+from conceptmoe.interop import convert_run
+from conceptmoe.training import checkpoint as ck
+from conceptmoe.training.config import TrainConfig
+from conceptmoe.training.train import train
+from test_resume import _kill_after, _strip
+from training_helpers import TINY, make_corpus
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("init")
+    corpus = make_corpus(tmp / "corpus")
+    run = train(TrainConfig(model="moe", **TINY, data=str(corpus), out=str(tmp / "moe"), max_steps=8))
+    return corpus, run
+
+
+def test_init_starts_from_the_weights_and_tokenizer(moe, tmp_path):
+    corpus, src = moe
+    cm = convert_run(src, tmp_path / "cm", ratio=1.5)
+    run = train(TrainConfig(**{**TINY, "lr": 1e-12}, data=str(corpus), init=str(cm), out=str(tmp_path / "ct"),
+                            max_steps=1, warmup_steps=0))
+    a, b = load_file(cm / "model.safetensors"), load_file(run / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # lr ~ 0: still the init weights
+    assert (run / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    stored = ck.read_run_config(run)
+    assert stored["model"] == ck.read_run_config(cm)["model"]
+    assert stored["train"]["init"] == str(cm.resolve())
+    # A normal rate moves them: the loaded weights are really trained.
+    run2 = train(TrainConfig(**TINY, data=str(corpus), init=str(cm), out=str(tmp_path / "ct2"), max_steps=2))
+    c = load_file(run2 / "model.safetensors")
+    assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-4
+
+
+def test_init_refusals(moe, tmp_path, capsys):
+    corpus, src = moe
+    with pytest.raises(UserError, match="--strategy"):
+        TrainConfig(**TINY, init=str(src), strategy="topk")
+    with pytest.raises(UserError, match="different runs"):
+        TrainConfig(**TINY, init=str(src), out=str(src))
+    with pytest.raises(UserError, match="no run"):
+        TrainConfig(**TINY, init=str(tmp_path))
+    with pytest.raises(UserError, match="do not fit"):
+        train(TrainConfig(**TINY, data=str(corpus), init=str(src), out=str(tmp_path / "x"), max_steps=1,
+                          overrides={"n_experts": 4, "top_k": 2}))
+    assert main(["train", "--init", str(src), "--preset", "tiny", "--out", str(tmp_path / "y")]) == 2
+    assert "leave out --preset" in capsys.readouterr().err
+
+
+def test_init_run_resumes_exactly_without_the_init_run(moe, tmp_path):
+    corpus, src = moe
+    cm = convert_run(src, tmp_path / "cm", ratio=2.0)
+    args = ["--init", str(cm), "--data", str(corpus), "--max-steps", "24", "--save-every", "5",
+            "--batch-size", "4", "--seq-len", "32", "--eval-every", "8", "--device", "cpu"]
+    from training_helpers import run_cli
+    ref = run_cli("train", *args, "--out", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr
+    want = _strip(ck.read_metrics(tmp_path / "ref"))
+    out = tmp_path / "killed"
+    import test_resume
+    saved = test_resume._args
+    test_resume._args = lambda corpus, o: ["train", *args, "--out", str(o)]
+    try:
+        assert _kill_after(corpus, out, 7) < 24
+    finally:
+        test_resume._args = saved
+    shutil.move(cm, tmp_path / "gone")  # resuming needs only the run itself
+    res = run_cli("train", *args[2:], "--out", str(out), "--resume")
+    assert res.returncode == 0, res.stderr
+    assert _strip(ck.read_metrics(out)) == want
+    assert json.loads((out / "eval.json").read_text())["val_bpb"] == json.loads((tmp_path / "ref" / "eval.json").read_text())["val_bpb"]
