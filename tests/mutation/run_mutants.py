@@ -1,6 +1,6 @@
 """Mutation check: break one line of the method at a time and make sure the tests notice.
 
-    python tests/mutation/run_mutants.py              # every mutant, ~2-3 min on one core
+    python tests/mutation/run_mutants.py              # every mutant, 2-3 min on one core
     python tests/mutation/run_mutants.py --only router-swap-forward ste-no-gradient
     python tests/mutation/run_mutants.py --list
 
