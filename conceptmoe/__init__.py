@@ -8,6 +8,9 @@ Layout (dependencies run one way: cli -> training / inference / bench -> model):
 from . import inference  # noqa: F401  (gives the models their ``generate`` method)
 from .model import ConceptMoELM, ModelConfig, ModelOutput, MoELM, build_model, count_flops, match_config
 from .training.checkpoint import load_run
+from .interop.hf_register import install as _install_hf  # noqa: E402
+
+_install_hf()  # AutoConfig / AutoModelForCausalLM learn "conceptmoe" once transformers is imported
 
 __all__ = ["ModelConfig", "build_model", "ModelOutput", "MoELM", "ConceptMoELM", "load_run",
            "count_flops", "match_config"]

@@ -194,7 +194,7 @@ def _fail(capsys, argv, *words):
 
 def test_export_refuses_conceptmoe_and_mismatched_arch(tmp_path, capsys):
     _our_run(tmp_path / "cm", ModelConfig.from_preset("tiny", vocab_size=VOCAB))
-    _fail(capsys, ["export-hf", str(tmp_path / "cm"), "--out", str(tmp_path / "x")], "ConceptMoE")
+    _fail(capsys, ["export-hf", str(tmp_path / "cm"), "--out", str(tmp_path / "x"), "--arch", "olmoe"], "ConceptMoE")
     _our_run(tmp_path / "moe", ModelConfig.from_preset("tiny", kind="moe", vocab_size=VOCAB))
     _fail(capsys, ["export-hf", str(tmp_path / "moe"), "--out", str(tmp_path / "x"), "--arch", "olmoe"], "qk_norm")
     assert not (tmp_path / "x").exists()

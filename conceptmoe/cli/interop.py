@@ -20,11 +20,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace what is already in --out")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("export-hf", help="export a MoE run as a Hugging Face checkpoint directory",
+    p = sub.add_parser("export-hf", help="export a run as a Hugging Face checkpoint directory",
                        description="Write a MoE run as a Hugging Face checkpoint directory (config.json, "
                                    "model.safetensors with per-expert keys, tokenizer.json) that the "
-                                   "matching transformers class loads with the same logits.")
-    p.add_argument("run", metavar="RUN", help="run directory (trained or imported MoE)")
+                                   "matching transformers class loads with the same logits. A ConceptMoE "
+                                   "run becomes a model_type \"conceptmoe\" directory with its modeling "
+                                   "code, for AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) "
+                                   "(needs the conceptmoe package where it is loaded).")
+    p.add_argument("run", metavar="RUN", help="run directory (MoE or ConceptMoE)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     p.add_argument("--arch", choices=tuple(ARCHS),
                    help="target family (default: the one the run was imported from, else by QK-norm: "

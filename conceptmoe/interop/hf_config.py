@@ -158,7 +158,8 @@ def default_arch(cfg: ModelConfig) -> str:
 def check_exportable(cfg: ModelConfig, arch: str) -> None:
     """A one-line UserError unless ``arch`` computes exactly what ``cfg`` computes."""
     if cfg.is_concept:
-        raise UserError("export-hf: ConceptMoE runs cannot be exported yet (MoE runs only)")
+        raise UserError("export-hf: --arch applies to MoE runs; a ConceptMoE run exports without it "
+                        "(model_type conceptmoe)")
     if arch not in ARCHS:
         raise UserError(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
     if cfg.qk_norm != QK_NORM[arch]:

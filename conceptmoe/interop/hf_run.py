@@ -173,6 +173,9 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
     """Write a MoE run as a HF checkpoint directory (``arch`` default: where it came from); returns it."""
     run, out = Path(run), Path(out)
     cfg = model_config_of(read_run_config(run))
+    if cfg.is_concept and arch is None:  # a transformers "conceptmoe" directory (hf_export.py)
+        from .hf_export import export_conceptmoe
+        return export_conceptmoe(run, out, force)
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
     if run.resolve() == out.resolve():
         raise UserError("--out must differ from the run directory")

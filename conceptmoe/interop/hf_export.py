@@ -1,0 +1,84 @@
+"""``export_conceptmoe``: a ConceptMoE run -> a self-contained transformers model directory (issue 11 A).
+
+The directory holds::
+
+    config.json                 ConceptMoEConfig (model_type "conceptmoe", auto_map, our ModelConfig)
+    model.safetensors           the weights (fp32, keys ``model.<our state-dict key>``)
+    generation_config.json      no BOS/EOS (our models have none), pad_token_id
+    tokenizer.json              the run's byte-level BPE plus one added special token ``<|pad|>``
+    tokenizer_config.json       (written by transformers' tokenizer ``save_pretrained``)
+    configuration_conceptmoe.py / modeling_conceptmoe.py   remote code for ``trust_remote_code=True``
+
+The remote-code files are two-line subclasses of ``conceptmoe.interop.hf_model``: the model code
+is the package's own, so **the ``conceptmoe`` package must be installed where the directory is
+loaded** (transformers can only import installed packages or files of the same folder; copying
+the whole method into the folder would fork it). With ``conceptmoe`` imported, ``AutoConfig`` /
+``AutoModelForCausalLM`` load the directory without ``trust_remote_code`` too (``hf_register.py``).
+
+``<|pad|>`` gets the id after the last tokenizer entry, which may lie outside the model's
+vocabulary: padding never reaches the embedding when ``attention_mask`` is given (``hf_model.py``).
+Needs the optional ``transformers`` dependency (``pip install -e ".[hf]"``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..training.checkpoint import load_run
+from ..training.data import DOC_SEP
+from .hf_remote_code import AUTO_MAP, REMOTE_FILES
+
+PAD = "<|pad|>"
+HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json", *REMOTE_FILES)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("exporting a ConceptMoE run needs transformers: pip install -e \".[hf]\"") from None
+    return transformers
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    """Refuse a non-empty ``out`` without ``force``; with it, delete the files an export writes."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"--out {out} is not empty; pass --force to replace it")
+        for name in HF_FILES:
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write the run as a transformers model directory (see the module docstring); returns it."""
+    from .hf_model import ConceptMoEConfig, ConceptMoEForCausalLM
+
+    tr = _transformers()
+    run, out = Path(run), Path(out)
+    if run.resolve() == out.resolve():
+        raise UserError("--out must differ from the run directory")
+    model, cfg, tok, _ = load_run(run, "cpu")
+    model = model.float().eval()
+    hf_tok = tr.PreTrainedTokenizerFast(tokenizer_file=str(run / "tokenizer.json"), pad_token=PAD)
+    sep = tok.encode(DOC_SEP).ids
+    pad = hf_tok.pad_token_id
+    config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad if pad < cfg.vocab_size else None,
+                              prefix_token_id=sep[-1] if sep else None,
+                              architectures=["ConceptMoEForCausalLM"])
+    config.auto_map = dict(AUTO_MAP)
+    with torch.device("meta"):  # no random init: the run's own module goes in
+        hf = ConceptMoEForCausalLM(config)
+    hf.model = model
+    hf.generation_config = tr.GenerationConfig(pad_token_id=pad, bos_token_id=None,
+                                               eos_token_id=None)
+    _prepare_out(out, force)
+    hf.save_pretrained(out)  # config, weights, generation config and the remote-code files
+    hf_tok.save_pretrained(out)
+    return out
