@@ -152,7 +152,7 @@ def _register_compare(sub) -> None:
     p.add_argument("--init", metavar="MOE_RUN",
                    help="continual-training mode: continue this MoE run vs its ConceptMoE conversions (default "
                         "--ratios 1.5,2, --strategies topk,loop: loop = concept layers run twice) for --tokens "
-                        "each (default 500k), with the MoE's tokenizer and data; report.md in --out "
+                        "each (default 262k), with the MoE's tokenizer and data; report.md in --out "
                         "(default runs/ct-<run name>)")
     p.add_argument("--chunk-lr-mult", type=finite_float, help="with --init: learning-rate multiplier of the new chunk router")
     p.set_defaults(func=cmd_compare)

@@ -44,13 +44,14 @@ class CTConfig:
     init: str  # the MoE run to start from
     ratios: list[float] = field(default_factory=lambda: [1.5, 2.0])
     variants: list[str] = field(default_factory=lambda: ["topk", "loop2"])
-    tokens: int = 500_000  # CT tokens per model
+    tokens: int = 262_144  # CT tokens per model
     seed: int = 0
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
     chunk_lr_mult: float = 1.0
-    eval_every: int | None = None  # None: ~10 validations per run
+    eval_every: int | None = None  # None: 4 validations per run
+    val_tokens: int = 65_536  # held-out tokens of every validation (start, curve, final)
     device: str = "auto"
     overrides: dict[str, Any] = field(default_factory=dict)  # --set for the converted models
     out: str | None = None  # None: runs/ct-<init run name>
@@ -69,6 +70,8 @@ class CTConfig:
         if ck.model_config_of(ck.read_run_config(self.init)).is_concept:
             raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")
         self.out = self.out or f"runs/ct-{Path(self.init).name}"
+        if self.eval_every is None:
+            self.eval_every = max(1, -(-self.tokens // (self.batch_size * self.seq_len)) // 4)
 
     def settings(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -124,6 +127,7 @@ def continual_compare(cc: CTConfig) -> Path:
                 train(TrainConfig(init=str(init), data=data, out=str(run), tokens=cc.tokens, seed=cc.seed,
                                   batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
                                   chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
+                                  eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
                                   resume=resume, force=not resume, progress=cc.progress))
             starts[label] = _start_bpb(init, run)
         report = build_report(cc, starts)
@@ -159,6 +163,7 @@ def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str,
                      "compression": ev["compression"], "ratio": cfg.compression_ratio if cfg.is_concept else 1.0,
                      "val_bpb_start": starts[label]["val_bpb"], "compression_start": starts[label]["compression"],
                      "train_bpb_first_steps": [round(m["bpb"], 4) for m in metrics[:5]],
+                     "train_curve": [(m["tokens"], m["bpb"]) for m in metrics],
                      "activated_flops_per_token": fl["activated_flops_per_token"],
                      "activated_flops_per_token_realised": fl_real["activated_flops_per_token"],
                      "total_params": fl["total_params"], "train_tokens_per_s": tps, "curve": curve,
@@ -194,15 +199,21 @@ def plot_curves(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, (ax, tx) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
     for r in report["models"]:
         t, b = zip(*r["curve"])
         ax.plot([x / 1e6 for x in t], b, marker="o", ms=3, label=f"{r['label']} ({r['name']})")
+        t, b = zip(*r["train_curve"])
+        tx.plot([x / 1e6 for x in t], b, lw=1, label=r["label"])
     ax.set_xlabel("continual-training tokens (millions; 0 = the converted weights)")
     ax.set_ylabel("validation bits per byte (held-out slice)")
     ax.set_title("Continual training: converted ConceptMoE vs continued MoE")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    tx.set_xlabel("continual-training tokens (millions)")
+    tx.set_ylabel("training bits per byte (each step's batch)")
+    tx.set_title("Training loss from the first CT step")
+    for a in (ax, tx):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
