@@ -27,7 +27,8 @@ from .args import finite_float
 
 _TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
-                "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps")
+                "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
+                "dtype", "compile")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +69,11 @@ def _register_train(sub) -> None:
     p.add_argument("--chunk-lr-mult", type=finite_float, help="learning-rate multiplier of the chunk router (default 1)")
     p.add_argument("--eval-every", type=int, help="steps between validations (default: 10 per run; 0: off)")
     p.add_argument("--val-tokens", type=int, help="cap on the held-out tokens of the final validation (default 1M)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"),
+                   help="under torchrun: DistributedDataParallel or FSDP2 sharding (default ddp)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step on each process (default 1)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     p.add_argument("--skip-bad-steps", type=int, metavar="N",
                    help="skip up to N steps whose loss or gradient is not finite (default 0: stop at the first)")
     p.add_argument("--init", metavar="RUN",

@@ -174,12 +174,22 @@ class ConceptMoELM(LanguageModel):
                 aux.append(a)
         return c, aux
 
+    @torch.no_grad()
+    def boundary_counts(self, input_ids: torch.Tensor, boundary_noise: torch.Tensor | None = None) -> torch.Tensor:
+        """(boundaries, positions) the forward pass would take on this batch: encoder + router only."""
+        p = self.chunk(self.encode(input_ids)[0])
+        b = boundaries(p, self.training, self.cfg.boundary_noise, self.cfg.boundary_sharpness, boundary_noise)
+        return torch.stack([b.sum().float(), torch.tensor(float(b.numel()), device=b.device)])
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 boundaries_override: torch.Tensor | None = None,
-                boundary_noise: torch.Tensor | None = None) -> ModelOutput:
+                boundary_noise: torch.Tensor | None = None,
+                boundary_fraction: torch.Tensor | None = None) -> ModelOutput:
         """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
         drawn from the global RNG); the trainer passes them per global sequence, so that the
-        samples do not depend on how a batch is split over processes."""
+        samples do not depend on how a batch is split over processes. ``boundary_fraction``:
+        the ratio loss's F measured over a larger batch than this one (``boundary_counts``; used
+        with gradient accumulation, where the loss is then linear in this batch's G)."""
         cfg = self.cfg
         h, moe_aux = self.encode(input_ids)  # (B, T, D)
         p = self.chunk(h)  # (B, T)
@@ -200,6 +210,8 @@ class ConceptMoELM(LanguageModel):
         chunk = ChunkStats(p.float().sum(), b.sum(), torch.tensor(b.numel(), device=b.device))
         balance, z_loss, (F_, G, compression) = self._router_terms(moe_aux + aux_c + aux_d, chunk)
         R = cfg.compression_ratio
+        if boundary_fraction is not None:
+            F_ = boundary_fraction.to(G)
         rl = ratio_loss_fg(F_, G, R) if R > 1 else p.new_zeros(())
         extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": G.detach()}
         use_ratio = cfg.chunk_router != "fixed"

@@ -92,8 +92,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any]) -> Path:
-    """Write a complete checkpoint for ``state["step"]`` atomically; drop older ones after."""
+                    state: dict[str, Any], optimizer_state: dict | None = None) -> Path:
+    """Write a complete checkpoint for ``state["step"]`` atomically; drop older ones after.
+
+    ``optimizer_state``: the optimizer's state dict when it is not ``optimizer.state_dict()``
+    (gathered from sharded processes)."""
     run_dir = Path(run_dir)
     step = int(state["step"])
     root = run_dir / CKPT_DIR
@@ -102,7 +105,7 @@ def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimizer: torc
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    tensors, meta = optimizer_to_safetensors(optimizer)
+    tensors, meta = optimizer_to_safetensors(optimizer_state or optimizer.state_dict())
     save_file(tensors, tmp / "optimizer.safetensors")
     (tmp / "optimizer.json").write_text(json.dumps(meta))
     save_file(rng_state(), tmp / "rng.safetensors")
@@ -146,6 +149,19 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return state
 
 
+def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict]:
+    """(state.json, model tensors, optimizer state dict) of a checkpoint, on CPU; sets the RNG."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        weights = load_file(ckpt / "model.safetensors")
+        opt = optimizer_from_safetensors(load_file(ckpt / "optimizer.safetensors"),
+                                         json.loads((ckpt / "optimizer.json").read_text()))
+        set_rng_state(load_file(ckpt / "rng.safetensors"))
+    except Exception as e:  # any damage to the checkpoint files
+        raise UserError(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return state, weights, opt
+
+
 def load_weights(model: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> None:
     """Load safetensors weights into ``model``; damaged or mismatching files are a UserError."""
     path = Path(path)
@@ -159,8 +175,7 @@ def load_weights(model: torch.nn.Module, path: str | Path, device: torch.device 
 
 
 # ----- optimizer and RNG state as safetensors + JSON -----
-def optimizer_to_safetensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def optimizer_to_safetensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():

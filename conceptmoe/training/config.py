@@ -62,6 +62,10 @@ class TrainConfig:
     eval_tokens: int = 32768  # size of the held-out slice validated during training
     val_tokens: int | None = 1_000_000  # cap on the final validation (None: all held-out text)
     skip_bad_steps: int = 0  # steps with a non-finite loss/gradient to skip before stopping
+    parallel: str | None = None  # "ddp" | "fsdp" under torchrun (default ddp)
+    grad_accum: int = 1  # micro-batches per optimizer step (per process)
+    dtype: str | None = None  # "fp32" | "bf16" (default: bf16 on CUDA, fp32 on CPU)
+    compile: bool = False  # torch.compile each block
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
     init: str | None = None  # start from this run's weights, model config and tokenizer (continual training)
     init_model: dict[str, Any] | None = None  # the init run's model config, stored so that --resume needs only the run
@@ -78,7 +82,12 @@ class TrainConfig:
             raise UserError("--strategy builds a compute-matched ConceptMoE; it cannot be combined with --model moe")
         if self.max_steps is not None and self.tokens is not None:
             raise UserError("give --max-steps or --tokens, not both")
-        for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens"):
+        if self.parallel is not None and self.parallel not in ("ddp", "fsdp"):
+            raise UserError(f"--parallel must be ddp or fsdp (got {self.parallel!r})")
+        if self.dtype is not None and self.dtype not in ("fp32", "bf16"):
+            raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
+        for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens",
+                     "grad_accum"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")

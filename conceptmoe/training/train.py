@@ -5,43 +5,38 @@ decay to ``min_lr_ratio * lr``, gradient clipping, a tqdm bar with loss, bits pe
 realized compression and tokens/s, one ``metrics.jsonl`` row per step, periodic validation on
 a fixed slice of the held-out text, and crash-safe checkpoints (checkpoint.py). With the same
 seed on CPU a run killed at any moment and resumed equals an uninterrupted one step for step:
-the checkpoint holds weights, optimizer, RNG (boundary noise draws from the global torch RNG)
-and the data position, and rows logged after the checkpoint are dropped on resume.
+the checkpoint holds weights, optimizer, RNG and the data position (boundary noise is drawn per
+step, ``loop.py``), and rows logged after the checkpoint are dropped on resume. Under torchrun
+the same function runs on every process (``distributed.py``).
 
 What is trained (and where) is a ``TrainConfig`` (``config.py``).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
+from tokenizers import Tokenizer
 
-from ..errors import Interrupted, UserError
+from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
+from . import distributed, loop
 from .config import RUN_IDENTITY, TrainConfig, default_out, model_config, resolve_data
 from .data import DOC_SEP, BatchSampler, check_record, load_corpus
+from .distributed import Dist
 from .evaluate import evaluate_tokens
 from .lock import RunLock, holds_only_lock
+from .loop import Loop, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
 from .signals import StopOnSignal
+from .shards import ShardSampler, is_prepared, open_prepared
 from .init_run import load_init_weights
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
-
-
-def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine from 1 down to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
@@ -92,54 +87,82 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
 
 
 def train(tc: TrainConfig) -> Path:
-    """Train (or resume) one run; returns its directory. Holds the run's lock throughout."""
-    device = ck.resolve_device(tc.device)
+    """Train (or resume) one run on this process, or on every process of a torchrun job;
+    returns its directory. Rank 0 holds the run's lock and writes; every rank computes."""
+    d = distributed.setup(tc.device)
+    try:
+        return _train(tc, d)
+    finally:
+        distributed.teardown(d)
+
+
+def _train(tc: TrainConfig, d: Dist) -> Path:
     mc = model_config(tc)
     out = Path(tc.out) if tc.out else default_out(tc, mc)
-    with RunLock(out):
-        stored = check_out_dir(tc, mc, out)
-        corpus = load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
+    mode = tc.parallel or "ddp"
+    dtype = tc.dtype or ("bf16" if d.device.type == "cuda" else "fp32")
+    if tc.batch_size % (d.world * tc.grad_accum):
+        raise UserError(f"--batch-size {tc.batch_size} must be a multiple of processes x --grad-accum "
+                        f"({d.world} x {tc.grad_accum})")
+    with RunLock(out) if d.main else contextlib.nullcontext():
+        stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
+        prep = open_prepared(tc.data) if is_prepared(tc.data) else None  # `conceptmoe prepare` shards
+        corpus = prep or load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
         if stored is not None:
             check_record(stored.get("data"), corpus)
-        tok = _tokenizer(tc, mc, out, [d.text for d in corpus.train])
-        train_ids = encode_documents(tok, [d.text for d in corpus.train], DOC_SEP)
-        val_ids = encode_documents(tok, [d.text for d in corpus.val], DOC_SEP)
-        sampler = BatchSampler(train_ids, tc.seq_len, tc.batch_size, tc.seed)
+        tok = Tokenizer.from_str(d.run_on_main(lambda: (
+            prep.tokenizer(tc.tokenizer, mc.vocab_size) if prep
+            else _tokenizer(tc, mc, out, [t.text for t in corpus.train])).to_str()))
+        train_ids = prep.train_tokens if prep else encode_documents(tok, [t.text for t in corpus.train], DOC_SEP)
+        val_ids = prep.val_tokens if prep else encode_documents(tok, [t.text for t in corpus.val], DOC_SEP)
+        sampler = (ShardSampler if prep else BatchSampler)(train_ids, tc.seq_len, tc.batch_size, tc.seed)
         data = {**corpus.record(), "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
-        if tc.progress:
+        if tc.progress and d.main:
             cap = min(len(val_ids), tc.val_tokens or len(val_ids))
             print(f"data {data['source']}: {data['train_documents']} training / {data['val_documents']} "
                   f"held-out pieces, {len(train_ids):,} / {len(val_ids):,} tokens "
                   f"({100 * len(val_ids) / max(len(train_ids) + len(val_ids), 1):.1f}% held out); "
-                  f"final validation on {cap:,} tokens", file=sys.stderr)
-        # All input is valid: only now is the output folder touched.
-        if tc.force and not tc.resume:
-            ck.remove_run(out)
-        save_tokenizer(tok, out / "tokenizer.json")
-        ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
-                                            "model": mc.to_dict(), "train": tc.to_dict(), "data": data})
+                  f"final validation on {cap:,} tokens"
+                  + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
+        if d.main:  # all input is valid: only now is the output folder touched
+            if tc.force and not tc.resume:
+                ck.remove_run(out)
+            save_tokenizer(tok, out / "tokenizer.json")
+            ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
+                                                "model": mc.to_dict(), "train": tc.to_dict(), "data": data})
         torch.manual_seed(tc.seed)
-        model = build_model(mc).to(device)
+        model = build_model(mc).to(d.device)
         if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
-            load_init_weights(model, tc.init, device)
+            load_init_weights(model, tc.init, d.device)
+        if tc.compile:
+            for blk in distributed.blocks(model):
+                blk.compile(dynamic=True)
+        model = distributed.parallelize(model, d, mode, dtype)
         opt = make_optimizer(model, tc)
         step = 0
         ckpt = ck.latest_checkpoint(out) if stored is not None else None
         if ckpt is not None:
-            state = ck.load_checkpoint(ckpt, model, opt, device)
+            state = distributed.load(ckpt, model, opt, d)
             step = int(state["step"])
             sampler.set_position(state["data_position"])
-            ck.link_latest_weights(out, ckpt)
-        ck.truncate_metrics(out, step)
-        (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
+        if d.main:
+            if ckpt is not None:
+                ck.link_latest_weights(out, ckpt)
+            ck.truncate_metrics(out, step)
+            (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
+        d.barrier()
         byte_len = byte_lengths(tok, mc.vocab_size)
+        lp = Loop(tc, model, opt, sampler, out, val_ids, byte_len, d, lambda: build_model(mc), dtype)
         with StopOnSignal() as stop:
-            _loop(tc, model, opt, sampler, step, out, val_ids, byte_len, device, stop)
-        final = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.val_tokens,
-                                progress=tc.progress)
+            loop.run(lp, step, stop)
+        eval_model = model if distributed.is_sharded(model) else lp.raw
+        final = evaluate_tokens(eval_model, val_ids, byte_len, tc.seq_len, max_tokens=tc.val_tokens,
+                                progress=tc.progress and d.main)
         if not math.isfinite(final["val_loss"]):
             raise UserError(f"final validation loss is {final['val_loss']}; the run diverged (checkpoint kept)")
-        ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
+        if d.main:
+            ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
+        d.barrier()
     return out
 
 
@@ -153,85 +176,3 @@ def _tokenizer(tc: TrainConfig, mc: ModelConfig, out: Path, texts: list[str]):
     if tok.get_vocab_size() > mc.vocab_size:
         raise UserError(f"tokenizer has {tok.get_vocab_size()} entries but the model's vocab_size is {mc.vocab_size}")
     return tok
-
-
-def _not_finite(loss: torch.Tensor, gnorm: torch.Tensor) -> str | None:
-    """Which quantity of a step is not finite (None when both are)."""
-    if not torch.isfinite(loss):
-        return f"loss is {float(loss.detach())}"
-    if not torch.isfinite(gnorm):
-        return f"gradient norm is {float(gnorm)}"
-    return None
-
-
-def _kept(saved: int) -> str:
-    return f"the last good checkpoint (step {saved}) kept" if saved else "no checkpoint written yet"
-
-
-def _loop(tc: TrainConfig, model, opt, sampler: BatchSampler, step: int, out: Path,
-          val_ids: np.ndarray, byte_len: np.ndarray, device: torch.device, stop: StopOnSignal) -> None:
-    total = tc.total_steps
-    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
-    eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
-    byte_len_t = torch.from_numpy(byte_len).to(device)
-    model.train()
-    label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
-    bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not tc.progress,
-               dynamic_ncols=True, mininterval=1.0)
-    saved, skipped = step, 0
-    with open(out / "metrics.jsonl", "a") as log:
-        while step < total:
-            t0 = time.perf_counter()
-            factor = lr_factor(step, total, warmup, tc.min_lr_ratio)
-            for g in opt.param_groups:
-                g["lr"] = tc.lr * g["lr_mult"] * factor
-            x = sampler.next().to(device)  # (B, T); labels = inputs (the model shifts)
-            res = model(x, labels=x)
-            opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            bad = _not_finite(res.loss, gnorm)
-            if bad and skipped < tc.skip_bad_steps:  # drop this batch's update, keep going
-                skipped += 1
-                opt.zero_grad(set_to_none=True)
-                tqdm.write(f"warning: step {step + 1}: {bad}; update skipped ({skipped}/{tc.skip_bad_steps})",
-                           file=sys.stderr)
-                continue
-            if bad:
-                bar.close()
-                raise UserError(f"training diverged at step {step + 1}: {bad}; stopped, {_kept(saved)}; "
-                                f"lower --lr or pass --skip-bad-steps N")
-            opt.step()
-            step += 1
-            tokens_per_s = x.numel() / (time.perf_counter() - t0)  # training only, before validation
-            aux = {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in res.aux.items()}
-            ce = aux["ce_loss"]
-            n_bytes = int(byte_len_t[x[:, 1:]].sum())
-            row = {"step": step, "loss": float(res.loss.detach()), "ce_loss": ce,
-                   "bpb": ce * x[:, 1:].numel() / math.log(2) / max(n_bytes, 1),
-                   "lr": tc.lr * factor, "compression": aux["compression"],
-                   "ratio_loss": aux["ratio_loss"], "balance_loss": aux["balance_loss"],
-                   "grad_norm": float(gnorm), "tokens": step * x.numel()}
-            if "boundary_prob" in aux:
-                row["boundary_prob"] = aux["boundary_prob"]
-            if eval_every and (step % eval_every == 0 or step == total):
-                v = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
-                row.update(val_loss=v["val_loss"], val_bpb=v["val_bpb"], val_compression=v["compression"])
-            row["tokens_per_s"] = tokens_per_s
-            bad = next((f"{k} is {v}" for k, v in row.items() if not math.isfinite(v)), None)
-            if bad:
-                bar.close()
-                raise UserError(f"training diverged at step {step}: {bad}; stopped, {_kept(saved)}")
-            log.write(json.dumps(row, allow_nan=False) + "\n")
-            log.flush()
-            if step % tc.save_every == 0 or step == total or stop.signum is not None:
-                ck.save_checkpoint(out, model, opt, {"step": step, "data_position": sampler.position})
-                saved = step
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",
-                            comp=f"{row['compression']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
-            if stop.signum is not None and step < total:
-                bar.close()
-                raise Interrupted(f"stopped by {stop.name} at step {step}/{total}: checkpoint saved in {out}; "
-                                  f"continue with --resume", 128 + stop.signum)
-    bar.close()

@@ -1,0 +1,211 @@
+"""Multi-process training on PyTorch's own engine: torchrun, DDP or FSDP2, one code path.
+
+``torchrun --standalone --nproc_per_node N -m conceptmoe train ...`` starts N processes; each
+reads ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` (``setup``) and joins one process group: NCCL on
+CUDA (one GPU per local rank), gloo on CPU, with a collective timeout so that a dead rank ends
+the job instead of hanging it. The device mesh is passed explicitly
+(``init_device_mesh(device_type, (N,))``): the default one follows the accelerator and breaks
+gloo on a GPU host (pytorch#132471). One process (no ``WORLD_SIZE``) is the same code path with
+``Dist.world == 1``.
+
+``parallelize(model, dist, mode, dtype)`` is applied to a plain model from outside (the model
+never asks for a rank): it sets ``model.stats_reduce`` to a sum over ranks, so the ratio loss,
+balance loss, z-loss and compression are global (``model/stats.py``), then wraps the model in
+``DistributedDataParallel`` or shards it with FSDP2 (``fully_shard`` per block, then the root;
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``--dtype bf16``).
+
+Checkpoints stay the single-process format (``checkpoint.py``): DDP holds full replicas, so
+rank 0 saves its own; FSDP gathers full model and optimizer state dicts onto rank 0's CPU
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True,
+cpu_offload=True``). A run saved with N processes therefore resumes with any M.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UserError
+from . import checkpoint as ck
+
+TIMEOUT_S = int(os.environ.get("CONCEPTMOE_DIST_TIMEOUT", "300"))  # a collective waits this long at most
+PARALLEL_MODES = ("ddp", "fsdp")
+
+
+@dataclass
+class Dist:
+    """This process's place in the job (world 1: a plain single-process run)."""
+
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a (detached) tensor over all ranks."""
+        if self.world == 1:
+            return t
+        out = t.detach().clone()
+        dist.all_reduce(out)
+        return out
+
+    def mean(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        return float(self.sum(torch.tensor([value], dtype=torch.float64, device=self.device))) / self.world
+
+    def any(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        return bool(self.sum(torch.tensor([float(flag)], device=self.device)) > 0)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def run_on_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0; its result (or its UserError) is shared with every rank."""
+        if self.world == 1:
+            return fn()
+        box: list[Any] = [None]
+        if self.main:
+            try:
+                box[0] = ("ok", fn())
+            except UserError as e:
+                box[0] = ("error", str(e))
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise UserError(value)
+        return value
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the torchrun job described by the environment (or stay a single process)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist(device=ck.resolve_device(device))
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    if device == "cuda" and not use_cuda:
+        raise UserError("--device cuda requested but CUDA is not available")
+    if use_cuda:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (world,))
+    return Dist(world, rank, local, dev, mesh)
+
+
+def teardown(d: Dist) -> None:
+    if d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of either model (the units FSDP shards one by one)."""
+    out = []
+    for name in ("layers", "encoder", "concept", "decoder"):
+        out += list(getattr(model, name, []))
+    return out
+
+
+def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str) -> nn.Module:
+    """The module to train: the model itself (1 process, or FSDP-sharded in place) or DDP."""
+    if mode not in PARALLEL_MODES:
+        raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)} (got {mode!r})")
+    if d.world == 1:
+        return model  # one process: nothing to distribute (--parallel only matters under torchrun)
+    model.stats_reduce = d.sum
+    if mode == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if dtype == "bf16" else MixedPrecisionPolicy()
+        for blk in blocks(model):
+            fully_shard(blk, mesh=d.mesh, mp_policy=mp)
+        fully_shard(model, mesh=d.mesh, mp_policy=mp)
+        if hasattr(model, "boundary_counts"):  # called outside forward (gradient accumulation)
+            register_fsdp_forward_method(model, "boundary_counts")
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Experts that receive no token in a step get no gradient on the split path.
+    return DistributedDataParallel(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+                                   find_unused_parameters=True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP wrapper (FSDP2 shards in place: the module is the model)."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def param_names(opt: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """Parameter names in the optimizer's own order (its state_dict's integer ids)."""
+    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def _by_name(sd: dict, names: list[str]) -> dict:
+    return {"state": {names[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+
+
+def _by_id(sd: dict, names: list[str]) -> dict:
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: s for n, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]}
+
+
+def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist, plain: Callable[[], nn.Module]) -> None:
+    """Write a checkpoint (rank 0) of a model trained in any mode; every rank must call it."""
+    if not is_sharded(model):
+        if d.main:
+            ck.save_checkpoint(out, unwrap(model), opt, state)
+        d.barrier()
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=options)
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    if d.main:
+        shadow = plain()
+        shadow.load_state_dict(msd)
+        ck.save_checkpoint(out, shadow, opt, state, optimizer_state=_by_id(osd, param_names(opt, model)))
+    d.barrier()
+
+
+def load(ckpt, model: nn.Module, opt: torch.optim.Optimizer, d: Dist) -> dict:
+    """Restore a checkpoint written by any number of processes into this (parallelized) model."""
+    if not is_sharded(model):
+        return ck.load_checkpoint(ckpt, unwrap(model), opt, d.device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    state, msd, osd = ck.read_checkpoint(ckpt)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, msd, options=options)
+    set_optimizer_state_dict(model, opt, _by_name(osd, param_names(opt, model)), options=options)
+    return state
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,217 @@
+"""The training loop: one optimizer step per global batch, on 1 or N processes alike.
+
+Every process draws the same *global* batch (B sequences) from the deterministic sampler and
+takes its slice: rows ``[rank·B/W, (rank+1)·B/W)``, cut into ``grad_accum`` micro-batches.
+Boundary noise comes from uniforms drawn per global batch from a generator seeded by (seed,
+step), sliced like the rows, so each sequence gets the same samples whatever the world size
+and however it is resumed. Per-token losses are means over equal token counts, and the ratio,
+balance and z-loss statistics are global (``model/stats.py``): the logged loss of a W-process
+run equals the 1-process run's (``tests/test_distributed.py``).
+
+A step: lr schedule -> forward/backward per micro-batch (gradient sync only on the last) ->
+clip -> finiteness check (a non-finite loss or gradient norm stops the run before the update,
+or is skipped up to ``skip_bad_steps``) -> optimizer step -> metrics row (rank 0) -> periodic
+validation (every rank, same numbers) -> checkpoint when due or when a signal asked to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import Interrupted, UserError
+from . import distributed
+from .config import TrainConfig
+from .data import BatchSampler
+from .distributed import Dist
+from .evaluate import evaluate_tokens
+from .signals import StopOnSignal
+
+
+@dataclass
+class Loop:
+    """What the loop works on (built by ``train.train``)."""
+
+    tc: TrainConfig
+    model: nn.Module  # what to call: the model, FSDP-sharded in place, or a DDP wrapper
+    opt: torch.optim.Optimizer
+    sampler: BatchSampler
+    out: Path
+    val_ids: np.ndarray
+    byte_len: np.ndarray
+    dist: Dist
+    plain: Callable[[], nn.Module]  # a fresh unparallelized model (for gathering FSDP checkpoints)
+    dtype: str = "fp32"
+
+    @property
+    def raw(self) -> nn.Module:
+        return distributed.unwrap(self.model)
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine from 1 down to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def boundary_uniforms(seed: int, step: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Uniforms for the boundary samples of global step ``step`` (B, T): the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * (step + 1))
+    return torch.rand(shape, generator=g)
+
+
+def _not_finite(loss: float, gnorm: float) -> str | None:
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    if not math.isfinite(gnorm):
+        return f"gradient norm is {gnorm}"
+    return None
+
+
+def _kept(saved: int) -> str:
+    return f"the last good checkpoint (step {saved}) kept" if saved else "no checkpoint written yet"
+
+
+def _sync(model: nn.Module, on: bool):
+    """Gradient synchronisation on or off for this backward (DDP / FSDP2); a no-op context."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(on)
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync") and not on:  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def forward_backward(lp: Loop, x: torch.Tensor, u: torch.Tensor | None) -> tuple[float, dict[str, float]]:
+    """Gradients of this rank's slice of the global batch x (B, T); (global loss, mean aux terms)."""
+    d, K, dev = lp.dist, lp.tc.grad_accum, lp.dist.device
+    rows = x.shape[0] // d.world
+    mine = slice(d.rank * rows, (d.rank + 1) * rows)
+    micro = rows // K
+    concept = lp.raw.cfg.is_concept
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16,
+                              enabled=lp.dtype == "bf16" and lp.tc.parallel != "fsdp")
+    parts = [slice(mine.start + k * micro, mine.start + (k + 1) * micro) for k in range(K)]
+    extra = {}
+    if concept and K > 1 and lp.raw.cfg.chunk_router != "fixed":
+        # The ratio loss is linear in G once F is fixed: measure F over the whole global batch
+        # first (encoder + router, no grad), so that accumulation equals one big batch.
+        with autocast:
+            counts = sum(lp.model.boundary_counts(x[s].to(dev), u[s].to(dev)) for s in parts)
+        n_b, n_pos = d.sum(counts)
+        extra["boundary_fraction"] = n_b / n_pos
+    loss_sum, aux_sum = 0.0, {}
+    for k, part in enumerate(parts):
+        xs = x[part].to(dev)
+        kwargs = {"boundary_noise": u[part].to(dev), **extra} if concept and u is not None else {}
+        with _sync(lp.model, k == K - 1), autocast:
+            res = lp.model(xs, labels=xs, **kwargs)
+        (res.loss / K).backward()
+        loss_sum += float(res.loss.detach()) / K
+        for name, v in res.aux.items():
+            aux_sum[name] = aux_sum.get(name, 0.0) + (float(v.detach()) if torch.is_tensor(v) else float(v)) / K
+    if "boundary_fraction" in extra:  # realised compression of the whole batch, not a mean of parts
+        aux_sum["compression"] = float(1 / extra["boundary_fraction"])
+    loss = d.mean(loss_sum)  # per-token terms are local means over equal counts: average them
+    aux_sum["ce_loss"] = d.mean(aux_sum["ce_loss"])
+    return loss, aux_sum
+
+
+def _grad_norm(model: nn.Module, clip: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
+    """Train from ``step`` to the configured total, logging and checkpointing (rank 0 writes)."""
+    tc, d = lp.tc, lp.dist
+    total = tc.total_steps
+    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
+    eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
+    eval_model = lp.model if distributed.is_sharded(lp.model) else lp.raw
+    lp.model.train()
+    out = lp.out
+    label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
+    bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not (tc.progress and d.main),
+               dynamic_ncols=True, mininterval=1.0)
+    saved, skipped = step, 0
+    log = open(out / "metrics.jsonl", "a") if d.main else None
+    try:
+        while step < total:
+            t0 = time.perf_counter()
+            factor = lr_factor(step, total, warmup, tc.min_lr_ratio)
+            for g in lp.opt.param_groups:
+                g["lr"] = tc.lr * g["lr_mult"] * factor
+            x = lp.sampler.next()  # (B, T) the global batch; labels = inputs (the model shifts)
+            u = boundary_uniforms(tc.seed, step, tuple(x.shape))
+            lp.opt.zero_grad(set_to_none=True)
+            loss, aux = forward_backward(lp, x, u)
+            gnorm = _grad_norm(lp.model, tc.grad_clip)
+            bad = _not_finite(loss, gnorm)
+            if bad and skipped < tc.skip_bad_steps:  # drop this batch's update, keep going
+                skipped += 1
+                lp.opt.zero_grad(set_to_none=True)
+                if d.main:
+                    tqdm.write(f"warning: step {step + 1}: {bad}; update skipped ({skipped}/{tc.skip_bad_steps})",
+                               file=sys.stderr)
+                continue
+            if bad:
+                bar.close()
+                raise UserError(f"training diverged at step {step + 1}: {bad}; stopped, {_kept(saved)}; "
+                                f"lower --lr or pass --skip-bad-steps N")
+            lp.opt.step()
+            step += 1
+            tokens_per_s = x.numel() / (time.perf_counter() - t0)  # training only, before validation
+            ce = aux["ce_loss"]
+            n_bytes = int(lp.byte_len[x[:, 1:].numpy()].sum())
+            row = {"step": step, "loss": loss, "ce_loss": ce,
+                   "bpb": ce * x[:, 1:].numel() / math.log(2) / max(n_bytes, 1),
+                   "lr": tc.lr * factor, "compression": aux["compression"],
+                   "ratio_loss": aux["ratio_loss"], "balance_loss": aux["balance_loss"],
+                   "grad_norm": gnorm, "tokens": step * x.numel()}
+            if "boundary_prob" in aux:
+                row["boundary_prob"] = aux["boundary_prob"]
+            if eval_every and (step % eval_every == 0 or step == total):
+                v = evaluate_tokens(eval_model, lp.val_ids, lp.byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
+                row.update(val_loss=v["val_loss"], val_bpb=v["val_bpb"], val_compression=v["compression"])
+                lp.model.train()
+            row["tokens_per_s"] = tokens_per_s
+            bad = next((f"{k} is {v}" for k, v in row.items() if not math.isfinite(v)), None)
+            if bad:
+                bar.close()
+                raise UserError(f"training diverged at step {step}: {bad}; stopped, {_kept(saved)}")
+            if log is not None:
+                log.write(json.dumps(row, allow_nan=False) + "\n")
+                log.flush()
+            stopping = d.any(stop.signum is not None)
+            if step % tc.save_every == 0 or step == total or stopping:
+                distributed.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position},
+                                 d, lp.plain)
+                saved = step
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",
+                            comp=f"{row['compression']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+            if stopping and step < total:
+                bar.close()
+                signum = stop.signum or 15  # a rank that was not signalled itself stops with its peers
+                raise Interrupted(f"stopped by {stop.name or 'a peer'} at step {step}/{total}: checkpoint saved "
+                                  f"in {out}; continue with --resume", 128 + signum)
+    finally:
+        if log is not None:
+            log.close()
+    bar.close()
