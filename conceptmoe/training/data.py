@@ -17,6 +17,8 @@ held-out split that neither model trains on).
 - ``Corpus.record()``: the resolved source, document count and a SHA-256 of everything read:
   stored in a run's config.json, so that a run resumed or evaluated later notices a changed
   corpus instead of silently training on other text.
+- ``SplitRule``: that split applied one document at a time, from two corpus-wide counts, so
+  that ``conceptmoe prepare`` (prepare.py) can stream a corpus and still split it identically.
 - ``TokenStream`` / ``BatchSampler``: the token stream cut into fixed windows, visited in a
   seeded per-epoch permutation. The position (epoch, cursor) is all a resumed run needs.
 
@@ -113,6 +115,9 @@ def read_documents(data: str | Path) -> list[Document]:
         docs = [Document(str(f.relative_to(path)), _read_text(f)) for f in files]
     elif path.suffix.lower() == ".jsonl":
         docs = _read_jsonl(path)
+    elif path.name.lower().endswith((".gz", ".parquet")):
+        raise UserError(f"{str(data)!r}: tokenize it first with `conceptmoe prepare --data {data} --out DIR`, "
+                        f"then pass --data DIR")
     else:
         docs = [Document(path.name, _read_text(path))]
     docs = [d for d in docs if d.text.strip()]
@@ -132,25 +137,53 @@ def _tail_split(doc: Document, frac: float) -> tuple[Document, Document] | None:
     return Document(doc.name + ":train", head), Document(doc.name + ":val", tail)
 
 
+@dataclass(frozen=True)
+class SplitRule:
+    """The held-out rule of ``split_documents``, fixed by two corpus-wide counts.
+
+    Applied one document at a time, so that a corpus streamed from disk (training/prepare.py)
+    splits exactly like one held in memory.
+    """
+
+    frac: float  # share of each long document's text held out
+    every: int  # short documents: every ``every``-th one is held out whole
+    tails_only: bool  # too few short documents to hold one out whole: all give tails
+
+    @classmethod
+    def of(cls, total_chars: int, n_short: int) -> "SplitRule":
+        """The rule for non-empty documents of ``total_chars`` characters, ``n_short`` of them short."""
+        frac = min(VAL_FRACTION, MAX_VAL_CHARS / max(total_chars, 1))
+        every = max(2, round(1 / frac))
+        return cls(frac, every, n_short < every)
+
+    def gives_tail(self, doc: Document) -> bool:
+        return self.tails_only or len(doc.text) >= MIN_TAIL_CHARS
+
+    def tail_split(self, doc: Document) -> tuple[Document, Document | None]:
+        """(training piece, held-out piece or None) of a document that gives its tail."""
+        parts = _tail_split(doc, self.frac)
+        return (doc, None) if parts is None else parts
+
+    def holds_out(self, short_index: int) -> bool:
+        """Whether the ``short_index``-th short document (counting from 0) is held out."""
+        return short_index % self.every == self.every // 2
+
+
 def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
-    """Deterministic split holding out about VAL_FRACTION of the text (see the module doc)."""
-    total = sum(len(d.text) for d in docs)
-    frac = min(VAL_FRACTION, MAX_VAL_CHARS / max(total, 1))
-    every = max(2, round(1 / frac))
-    long_docs = [d for d in docs if len(d.text) >= MIN_TAIL_CHARS]
-    short = [d for d in docs if len(d.text) < MIN_TAIL_CHARS]
-    if len(short) < every:  # too few to hold one out whole: they give tails too
-        long_docs, short = docs, []
+    """Deterministic split holding out about VAL_FRACTION of the text (see the module doc).
+
+    Training text: the heads of the long documents in order, then the short ones kept.
+    """
+    rule = SplitRule.of(sum(len(d.text) for d in docs), sum(len(d.text) < MIN_TAIL_CHARS for d in docs))
     train, val = [], []
-    for d in long_docs:
-        parts = _tail_split(d, frac)
-        if parts is None:
-            train.append(d)
-        else:
-            train.append(parts[0])
-            val.append(parts[1])
+    for d in docs:
+        if rule.gives_tail(d):
+            head, tail = rule.tail_split(d)
+            train.append(head)
+            val += [tail] if tail is not None else []
+    short = [d for d in docs if not rule.gives_tail(d)]
     for i, d in enumerate(short):
-        (val if i % every == every // 2 else train).append(d)
+        (val if rule.holds_out(i) else train).append(d)
     if not val or not train:
         raise UserError("the data is too short to hold out validation text; give more text")
     return train, val
@@ -251,6 +284,9 @@ class BatchSampler:
         self.epoch, self.cursor = int(pos["epoch"]), int(pos["cursor"])
         self._order = self._permutation(self.epoch)
 
+    def _window(self, i: int) -> torch.Tensor:
+        return self.windows[i]  # (T,)
+
     def next(self) -> torch.Tensor:
         """The next (B, T) batch of token ids; wraps into a new epoch when needed."""
         rows = []
@@ -258,6 +294,6 @@ class BatchSampler:
             if self.cursor >= self.n_windows:
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            rows.append(self.windows[self._order[self.cursor]])
+            rows.append(self._window(int(self._order[self.cursor])))
             self.cursor += 1
         return torch.stack(rows)

@@ -7,7 +7,7 @@
   ``compression`` = tokens per concept over the evaluated windows (1.0 for a plain MoE);
   ``tokens`` = predicted tokens.
 - ``evaluate(run_dir, data=None)``: a trained run on its own held-out split, or on all the text
-  under ``data``.
+  under ``data`` (memory-mapped token shards when the run's data was made by ``conceptmoe prepare``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 from ..errors import UserError
 from .checkpoint import load_run
 from .data import DOC_SEP, check_record, load_corpus, read_documents
-from .tokenizer import byte_lengths, encode_documents
+from .shards import is_prepared, open_prepared
+from .tokenizer import byte_lengths, encode_documents, sha256
 
 EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise
 
@@ -79,24 +80,29 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
 def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = "auto",
              batch_size: int | None = None, max_tokens: int | None = None,
              progress: bool = False) -> dict[str, Any]:
-    """Evaluate a trained run: on its held-out split, or on all the text under ``data``.
+    """Evaluate a trained run: on its held-out split, or on all the text under ``data``
+    (a directory made by ``conceptmoe prepare``: its held-out split).
 
     The held-out split is rebuilt from the run's stored (absolute) data path and checked
     against the stored fingerprint; ``max_tokens`` defaults to the run's ``val_tokens``.
     """
     model, cfg, tok, run_cfg = load_run(run_dir, device)
     train_cfg = run_cfg.get("train", {})
+    source = train_cfg.get("data") if data is None else data
+    prep = open_prepared(source) if is_prepared(source) else None  # `conceptmoe prepare` shards
+    if prep is not None and sha256(tok) != prep.manifest["tokenizer"]["sha256"]:
+        raise UserError(f"{source} was prepared with another tokenizer than the run's")
     if data is None:
         record = run_cfg.get("data")
-        corpus = load_corpus(train_cfg.get("data"), legacy_split=record is None)
+        corpus = prep or load_corpus(train_cfg.get("data"), legacy_split=record is None)
         check_record(record, corpus)
-        texts = [d.text for d in corpus.val]
+        texts = None if prep else [d.text for d in corpus.val]
         if max_tokens is None:
             max_tokens = train_cfg.get("val_tokens")
     else:
-        texts = [d.text for d in read_documents(data)]
-    ids = encode_documents(tok, texts, DOC_SEP)
-    if int(ids.max(initial=0)) >= cfg.vocab_size:
+        texts = None if prep else [d.text for d in read_documents(data)]
+    ids = prep.val_tokens if prep else encode_documents(tok, texts, DOC_SEP)
+    if prep is None and int(ids.max(initial=0)) >= cfg.vocab_size:
         raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
     seq_len = int(train_cfg.get("seq_len", 256))
     return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,

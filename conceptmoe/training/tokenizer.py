@@ -13,8 +13,11 @@ even a 256-entry vocabulary (pure bytes, the ``tiny`` preset) valid.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -22,6 +25,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..errors import UserError
 
 BYTE_ALPHABET = 256
+# A place where the byte-level pre-tokenizer always splits: a space after a printable ASCII
+# character and before an ASCII letter (its regex has no lookbehind, so a token never spans it).
+_SAFE_CUT = re.compile(r"[!-~] [A-Za-z]")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -79,3 +85,35 @@ def byte_lengths(tok: Tokenizer, size: int | None = None) -> np.ndarray:
         if i < n:
             out[i] = len(piece)  # one byte-alphabet symbol per byte
     return out
+
+
+def sha256(tok: Tokenizer) -> str:
+    """Fingerprint of a tokenizer: its canonical serialization, not the file's formatting."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def splits_safely(tok: Tokenizer) -> bool:
+    """Whether ``pieces`` leaves this tokenizer's ids unchanged: a plain byte-level BPE like
+    ``train_tokenizer``'s (no normalizer, added tokens, prefix space or post-processing)."""
+    d = json.loads(tok.to_str())
+    pre = d.get("pre_tokenizer") or {}
+    return (not d.get("added_tokens") and d.get("normalizer") is None and d.get("truncation") is None
+            and pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space")
+            and (d.get("post_processor") or {"type": "ByteLevel"}).get("type") == "ByteLevel")
+
+
+def pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` cut into pieces of about ``size`` characters at pre-tokenizer boundaries.
+
+    Encoding the pieces one by one gives the ids of the whole text (for ``splits_safely``
+    tokenizers), in bounded memory and in parallel: a 5 MB line encoded whole needs ~1 GB.
+    Text with no safe place to cut stays whole.
+    """
+    start = 0
+    while len(text) - start > size:
+        m = _SAFE_CUT.search(text, start + size)
+        if m is None:
+            break
+        yield text[start:m.start() + 1]
+        start = m.start() + 1
+    yield text[start:]
