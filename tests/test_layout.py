@@ -16,7 +16,7 @@ ALLOWED = {
     "model": set(),
     "inference": {"model"},
     "training": {"model"},
-    "bench": {"model", "inference", "interop"},
+    "bench": {"model", "inference", "interop", "training"},  # training: prepare benchmark
     "interop": {"model", "inference", "training"},
     "cli": {"model", "inference", "training", "bench", "interop"},
 }

@@ -311,3 +311,12 @@ def test_a_5mb_line_is_encoded_in_pieces(tmp_path, monkeypatch):
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) < 250e6, f"peak RSS grew by {int(r.stdout) / 1e6:.0f} MB"
+
+
+def test_bench_prepare_reports_speed_and_memory(tmp_path):
+    from conceptmoe.bench.prepare import format_table, run_prepare_bench
+
+    res = run_prepare_bench([0.3], tmp_path, vocab_size=300, log=lambda msg: None)
+    row = res["rows"][0]
+    assert row["tokens"] > 50_000 and row["mb_per_s"] > 0 and row["peak_rss_mb"] > row["rss_over_imports_mb"] >= 0
+    assert "MB/s" in format_table(res)

@@ -1,4 +1,4 @@
-"""``conceptmoe bench latency | scan | moe``: benchmarks that print a table and write JSON."""
+"""``conceptmoe bench latency | scan | moe | prepare``: benchmarks that print a table and write JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..bench.latency_report import format_table, write_outputs
 from ..bench.moe import ARCHS, TABLE_HEADER, TOLERANCE, require_transformers, write_rows
 from ..bench.moe import compare as compare_moe
 from ..bench.scan import run_and_report
+from ..bench.prepare import run_and_report as run_prepare_bench
 from ..errors import UserError
 from ..training.checkpoint import load_run
 
@@ -45,7 +46,7 @@ def _words(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="benchmarks: latency (MoE vs ConceptMoE), scan, moe (vs transformers)",
+    parser = sub.add_parser("bench", help="benchmarks: latency (MoE vs ConceptMoE), scan, moe (vs transformers), prepare",
                             description="Benchmarks.")
     bench = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.required = True
@@ -101,6 +102,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="also write scan.json into this directory")
     p.set_defaults(func=cmd_bench_scan)
+
+    p = bench.add_parser(
+        "prepare", help="conceptmoe prepare: MB/s and peak RSS as the corpus grows",
+        description="Prepare synthetic .jsonl corpora of the given sizes, each in a fresh process with one "
+                    "pre-trained tokenizer; print MB/s and peak RSS (flat when prepare streams).")
+    p.add_argument("--sizes", type=_floats, default=[50.0, 200.0], help="corpus sizes in MB (default 50,200)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default 4096)")
+    p.add_argument("--threads", type=int, default=0, help="tokenizer threads (default: all cores)")
+    p.add_argument("--work", help="keep corpora and shards here (default: a temporary folder)")
+    p.add_argument("--out", help="also write prepare.json into this directory")
+    p.set_defaults(func=cmd_bench_prepare)
 
 
 def cmd_bench_latency(args) -> int:
@@ -162,4 +174,11 @@ def cmd_bench_scan(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_and_report(args.concepts, args.dim, args.batch, args.repeats, "cpu", args.out)
+    return 0
+
+
+def cmd_bench_prepare(args: argparse.Namespace) -> int:
+    if not args.sizes or min(args.sizes) <= 0 or args.vocab_size < 256 or args.threads < 0:
+        raise UserError("--sizes must be positive, --vocab-size >= 256 and --threads >= 0")
+    run_prepare_bench(args.sizes, args.out, args.work, args.vocab_size, args.threads)
     return 0
