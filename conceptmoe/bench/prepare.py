@@ -6,7 +6,8 @@ For each size a synthetic ``.jsonl`` corpus (lines of Shakespeare's plays in see
 documents of 2 to 200 lines, so both the tail and the whole-document rule of the held-out split
 apply) is prepared in a fresh process, with one tokenizer trained beforehand on a 4 MB sample so
 that the timing covers reading, splitting, encoding and writing only. Reported: seconds, MB/s of
-UTF-8 text, and the process's peak RSS, total and above what it held after its imports. The
+UTF-8 text, cores busy (CPU seconds over wall seconds: the tokenizer's threads), and the
+process's peak RSS, total and above what it held after its imports. The
 streaming contract is that the peak does not grow with the corpus (prepare.py).
 """
 
@@ -28,12 +29,14 @@ _CHILD = """
 import json, resource, sys, time
 from conceptmoe.training.prepare import PrepareConfig, prepare
 from conceptmoe.training.shards import open_prepared
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = resource.getrusage(resource.RUSAGE_SELF)
+base, cpu0 = start.ru_maxrss, start.ru_utime + start.ru_stime
 t = time.perf_counter()
 prepare(PrepareConfig(data=sys.argv[1], out=sys.argv[2], tokenizer=sys.argv[3], force=True, progress=False))
 seconds = time.perf_counter() - t
 m = open_prepared(sys.argv[2]).manifest
-print(json.dumps({"seconds": seconds, "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+use = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": seconds, "peak_rss_kb": use.ru_maxrss, "cpu_seconds": use.ru_utime + use.ru_stime - cpu0,
                   "import_rss_kb": base, "dtype": m["dtype"],
                   "bytes": sum(s["bytes"] for s in m["splits"].values()),
                   "tokens": sum(s["tokens"] for s in m["splits"].values())}))
@@ -87,6 +90,7 @@ def run_prepare_bench(sizes_mb: list[float], work: Path, vocab_size: int = 4096,
         res = json.loads(r.stdout)
         rows.append({"corpus_mb": mb, "text_mb": res["bytes"] / 1e6, "tokens": res["tokens"], "dtype": res["dtype"],
                      "seconds": res["seconds"], "mb_per_s": res["bytes"] / 1e6 / res["seconds"],
+                     "cores_busy": res["cpu_seconds"] / res["seconds"],
                      "peak_rss_mb": res["peak_rss_kb"] / 1024,
                      "rss_over_imports_mb": (res["peak_rss_kb"] - res["import_rss_kb"]) / 1024})
     return {"rows": rows, "vocab_size": vocab_size, "threads": threads or os.cpu_count(),
@@ -94,8 +98,9 @@ def run_prepare_bench(sizes_mb: list[float], work: Path, vocab_size: int = 4096,
 
 
 def format_table(result: dict) -> str:
-    head = f"{'corpus':>8} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'peak RSS':>9} {'above imports':>14}"
+    head = f"{'corpus':>8} {'tokens':>12} {'seconds':>8} {'MB/s':>6} {'cores':>5} {'peak RSS':>9} {'above imports':>14}"
     lines = [head] + [f"{r['corpus_mb']:>6g}MB {r['tokens']:>12,} {r['seconds']:>8.1f} {r['mb_per_s']:>6.2f} "
+                      f"{r['cores_busy']:>5.2f} "
                       f"{r['peak_rss_mb']:>7.0f}MB {r['rss_over_imports_mb']:>12.0f}MB" for r in result["rows"]]
     lines.append(f"(tokenizer threads {result['threads']} of {result['cpu_count']} cores, "
                  f"load average {result['load_average'][0]:.1f} at the end)")
