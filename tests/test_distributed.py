@@ -136,3 +136,13 @@ def test_a_killed_worker_ends_the_job(corpus, tmp_path):
     assert kept is not None and (kept / "state.json").is_file()
     ev = run_cli("eval", str(out), "--json")
     assert ev.returncode == 0, ev.stderr
+
+
+def test_bf16_autocast_trains_with_fp32_islands(corpus, tmp_path):
+    # CPU bf16 is slow but works: autocast matmuls; router, cosine, ratio loss and the scan stay fp32
+    out = tmp_path / "run"
+    res = run_cli(*_args(corpus, out, "conceptmoe", 3, "--dtype", "bf16"))
+    assert res.returncode == 0, res.stderr
+    rows = ck.read_metrics(out)
+    assert len(rows) == 3 and all(r["loss"] < 10 for r in rows)
+    assert ck.read_run_config(out)["train"]["dtype"] == "bf16"

@@ -196,7 +196,8 @@ def dechunk(chunks: Chunks, c_out: torch.Tensor,
     and p = 1, ĥ_t + z_t is exactly the concept model's output at t.
     """
     src = c_out if c_in is None else c_out - c_in
-    z = ema_scan(chunks.concept_p, src)  # (B, C, D)
+    with torch.autocast(src.device.type, enabled=False):  # the scan runs in fp32 under bf16 autocast
+        z = ema_scan(chunks.concept_p.float(), src.float()).to(src.dtype)  # (B, C, D)
     idx = chunks.concept_index.unsqueeze(-1).expand(-1, -1, z.shape[-1])
     z_tok = torch.gather(z, 1, idx)  # (B, T, D)
     P = torch.where(chunks.b, chunks.p, 1 - chunks.p)  # probability of the decision taken

@@ -126,6 +126,7 @@ class MoE(nn.Module):
             y.index_add_(0, tok, (h @ self.w_down[e]) * w[tok, slot, None].to(x.dtype))
         return y
 
+    @torch.compiler.disable  # data-dependent group sizes; grouped_mm has no fp32 fake kernel on CPU
     def _experts_sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                         grouped: bool) -> torch.Tensor:
         """Sort (token, expert) pairs by expert; one grouped matmul (or a split loop) per weight."""
