@@ -18,7 +18,8 @@ ALLOWED = {
     "training": {"model"},
     "bench": {"model", "inference", "interop", "training"},  # training: prepare benchmark
     "interop": {"model", "inference", "training"},
-    "cli": {"model", "inference", "training", "bench", "interop"},
+    "harness": {"model", "inference", "training"},  # lm-evaluation-harness: tasks and our LM (issue 11 B)
+    "cli": {"model", "inference", "training", "bench", "interop", "harness"},
 }
 
 

@@ -113,12 +113,18 @@ def _register_eval(sub) -> None:
     p.add_argument("--batch-size", type=int, help="windows per forward pass (default 16)")
     p.add_argument("--val-tokens", type=int, help="cap on held-out tokens (default: the run's --val-tokens)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--tasks", help="run lm-evaluation-harness tasks instead, comma-separated: cmoe_nextline, "
+                                   "cmoe_niah, cmoe_heldout_ppl (offline, built from the held-out plays) or "
+                                   "stock tasks whose data is cached locally; needs pip install -e \".[eval]\"")
+    p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError("--batch-size must be a positive integer")
+    if args.tasks is not None or args.limit is not None:
+        return _eval_tasks(args)
     if args.val_tokens is not None and args.val_tokens < 1:
         raise UserError("--val-tokens must be a positive integer")
     res = evaluate(args.run, args.data, args.device, args.batch_size, args.val_tokens, progress=True)
@@ -129,6 +135,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         print(f"val_loss {res['val_loss']:.4f}  val_bpb {res['val_bpb']:.4f}  "
               f"compression {res['compression']:.2f}  tokens {res['tokens']}")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    """``eval --tasks``: lm-evaluation-harness through our model (conceptmoe/harness/, issue 11 B)."""
+    from ..harness.run import evaluate_tasks, format_table
+
+    if args.tasks is None:
+        raise UserError("--limit applies to --tasks")
+    if args.data is not None or args.val_tokens is not None:
+        raise UserError("--data and --val-tokens apply to the plain validation, not to --tasks")
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be a positive integer")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device)
+    print(json.dumps(res, sort_keys=True) if args.json else format_table(res))
     return 0
 
 
