@@ -25,6 +25,7 @@ from ..model.flops import count_flops
 from . import checkpoint as ck
 from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data
 from .data import load_corpus
+from .shards import is_prepared, open_prepared
 from .lock import RunLock, holds_only_lock
 from .tokenizer import save_tokenizer, train_tokenizer
 from .train import train
@@ -97,10 +98,13 @@ def compare(cc: CompareConfig) -> Path:
     models = plan(cc)
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
-    corpus = load_corpus(cc.data)
+    prep = open_prepared(cc.data) if is_prepared(cc.data) else None  # token shards bring their tokenizer
+    corpus = None if prep else load_corpus(cc.data)
     with RunLock(out):
         tok_path = _claim(out, cc, models)
-        if not tok_path.is_file():
+        if not tok_path.is_file() and prep:
+            save_tokenizer(prep.tokenizer(), tok_path)
+        elif not tok_path.is_file():
             vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
             save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
         for label, tc in models:
