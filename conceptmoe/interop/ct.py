@@ -51,7 +51,7 @@ class CTConfig:
     lr: float = 1e-3
     chunk_lr_mult: float = 1.0
     eval_every: int | None = None  # None: 4 validations per run
-    val_tokens: int = 65_536  # held-out tokens of every validation (start, curve, final)
+    val_tokens: int = 32_768  # held-out tokens of every validation (start, curve, final)
     device: str = "auto"
     overrides: dict[str, Any] = field(default_factory=dict)  # --set for the converted models
     out: str | None = None  # None: runs/ct-<init run name>
