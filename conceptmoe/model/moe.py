@@ -18,6 +18,7 @@ Shape legend: N tokens (flattened), D d_model, E experts, K top-k, F expert hidd
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,9 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.randn(n_experts, hidden, d) * hidden ** -0.5)
         self.shared = SwiGLU(d, n_shared * (shared_hidden or hidden)) if n_shared else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if (n_shared and shared_gate) else None
+        # (module, rows grouped by global expert, counts (E,), grouped) -> outputs in the same order;
+        # set by expert parallelism (training/expert_parallel.py), None: all experts are here.
+        self.expert_dispatch: Callable | None = None
 
     # ----- routing -----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,6 +130,19 @@ class MoE(nn.Module):
             y.index_add_(0, tok, (h @ self.w_down[e]) * w[tok, slot, None].to(x.dtype))
         return y
 
+    def expert_ffn(self, xs: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """SwiGLU of rows xs (M, D) grouped by expert: counts[e] rows for this module's e-th expert."""
+        if grouped:
+            offs = counts.cumsum(0).to(torch.int32)
+            g = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_gate, offs=offs))
+            u = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_up, offs=offs))
+            return _ContiguousGrad.apply(F.grouped_mm(F.silu(g) * u, self.w_down, offs=offs))
+        parts = []
+        for e, xe in enumerate(xs.split(counts.tolist())):
+            if xe.shape[0]:
+                parts.append((F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e])
+        return torch.cat(parts) if parts else xs[:0]
+
     @torch.compiler.disable  # data-dependent group sizes; grouped_mm has no fp32 fake kernel on CPU
     def _experts_sorted(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                         grouped: bool) -> torch.Tensor:
@@ -136,17 +153,10 @@ class MoE(nn.Module):
         tok = order // K  # token of each sorted slot
         counts = torch.bincount(flat, minlength=self.n_experts)
         xs = x[tok]  # (N*K, D) grouped by expert
-        if grouped:
-            offs = counts.cumsum(0).to(torch.int32)
-            g = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_gate, offs=offs))
-            u = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_up, offs=offs))
-            out = _ContiguousGrad.apply(F.grouped_mm(F.silu(g) * u, self.w_down, offs=offs))
+        if self.expert_dispatch is not None:  # experts on other processes (installed from outside)
+            out = self.expert_dispatch(self, xs, counts, grouped)
         else:
-            parts = []
-            for e, xe in enumerate(xs.split(counts.tolist())):
-                if xe.shape[0]:
-                    parts.append((F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e])
-            out = torch.cat(parts) if parts else xs[:0]
+            out = self.expert_ffn(xs, counts, grouped)
         out = out * w.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tok, out)
 

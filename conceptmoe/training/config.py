@@ -66,6 +66,7 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step (per process)
     dtype: str | None = None  # "fp32" | "bf16" (default: bf16 on CUDA, fp32 on CPU)
     compile: bool = False  # torch.compile each block
+    expert_parallel: int = 1  # processes sharing one layer's experts (torchrun)
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
     init: str | None = None  # start from this run's weights, model config and tokenizer (continual training)
     init_model: dict[str, Any] | None = None  # the init run's model config, stored so that --resume needs only the run
@@ -87,7 +88,7 @@ class TrainConfig:
         if self.dtype is not None and self.dtype not in ("fp32", "bf16"):
             raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
         for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens",
-                     "grad_accum"):
+                     "grad_accum", "expert_parallel"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")

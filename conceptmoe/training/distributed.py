@@ -12,7 +12,8 @@ gloo on a GPU host (pytorch#132471). One process (no ``WORLD_SIZE``) is the same
 never asks for a rank): it sets ``model.stats_reduce`` to a sum over ranks, so the ratio loss,
 balance loss, z-loss and compression are global (``model/stats.py``), then wraps the model in
 ``DistributedDataParallel`` or shards it with FSDP2 (``fully_shard`` per block, then the root;
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``--dtype bf16``).
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``--dtype bf16``), or shards
+the experts over groups of processes (``expert_parallel.py``, with DDP-style averaging).
 
 Checkpoints stay the single-process format (``checkpoint.py``): DDP holds full replicas, so
 rank 0 saves its own; FSDP gathers full model and optimizer state dicts onto rank 0's CPU
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..errors import UserError
 from . import checkpoint as ck
+from . import expert_parallel as ep
 
 TIMEOUT_S = int(os.environ.get("CONCEPTMOE_DIST_TIMEOUT", "300"))  # a collective waits this long at most
 PARALLEL_MODES = ("ddp", "fsdp")
@@ -126,13 +128,19 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str) -> nn.Module:
-    """The module to train: the model itself (1 process, or FSDP-sharded in place) or DDP."""
+def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str, experts: int = 1) -> nn.Module:
+    """The module to train: the model itself (1 process, FSDP-sharded in place, or with its
+    experts sharded over ``experts`` processes) or a DDP wrapper."""
     if mode not in PARALLEL_MODES:
         raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)} (got {mode!r})")
+    if experts > 1 and mode == "fsdp":
+        raise UserError("--expert-parallel combines with --parallel ddp, not fsdp")
     if d.world == 1:
-        return model  # one process: nothing to distribute (--parallel only matters under torchrun)
+        return model  # one process: nothing to distribute (--parallel, --expert-parallel: torchrun only)
     model.stats_reduce = d.sum
+    if experts > 1:  # experts sharded; gradients synchronised by expert_parallel.sync_grads
+        ep.shard(model, ep.setup(d.world, d.rank, experts))
+        return model
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -175,6 +183,14 @@ def _by_id(sd: dict, names: list[str]) -> dict:
 
 def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist, plain: Callable[[], nn.Module]) -> None:
     """Write a checkpoint (rank 0) of a model trained in any mode; every rank must call it."""
+    if getattr(model, "expert_parallel", None) is not None:
+        msd, osd = ep.full_state(model, opt, param_names(opt, model))
+        if d.main:
+            shadow = plain()
+            shadow.load_state_dict(msd)
+            ck.save_checkpoint(out, shadow, opt, state, optimizer_state=osd)
+        d.barrier()
+        return
     if not is_sharded(model):
         if d.main:
             ck.save_checkpoint(out, unwrap(model), opt, state)
@@ -194,6 +210,10 @@ def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist
 
 def load(ckpt, model: nn.Module, opt: torch.optim.Optimizer, d: Dist) -> dict:
     """Restore a checkpoint written by any number of processes into this (parallelized) model."""
+    if getattr(model, "expert_parallel", None) is not None:
+        state, msd, osd = ck.read_checkpoint(ckpt)
+        ep.load_state(model, opt, param_names(opt, model), msd, osd)
+        return state
     if not is_sharded(model):
         return ck.load_checkpoint(ckpt, unwrap(model), opt, d.device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict

@@ -31,7 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import Interrupted, UserError
-from . import distributed
+from . import distributed, expert_parallel
 from .config import TrainConfig
 from .data import BatchSampler
 from .distributed import Dist
@@ -123,6 +123,8 @@ def forward_backward(lp: Loop, x: torch.Tensor, u: torch.Tensor | None) -> tuple
         loss_sum += float(res.loss.detach()) / K
         for name, v in res.aux.items():
             aux_sum[name] = aux_sum.get(name, 0.0) + (float(v.detach()) if torch.is_tensor(v) else float(v)) / K
+    if getattr(lp.raw, "expert_parallel", None) is not None:
+        expert_parallel.sync_grads(lp.raw, d.world)
     if "boundary_fraction" in extra:  # realised compression of the whole batch, not a mean of parts
         aux_sum["compression"] = float(1 / extra["boundary_fraction"])
     loss = d.mean(loss_sum)  # per-token terms are local means over equal counts: average them

@@ -31,11 +31,11 @@ from .config import RUN_IDENTITY, TrainConfig, default_out, model_config, resolv
 from .data import DOC_SEP, BatchSampler, check_record, load_corpus
 from .distributed import Dist
 from .evaluate import evaluate_tokens
+from .init_run import load_init_weights
 from .lock import RunLock, holds_only_lock
 from .loop import Loop, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
-from .signals import StopOnSignal
 from .shards import ShardSampler, is_prepared, open_prepared
-from .init_run import load_init_weights
+from .signals import StopOnSignal
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
 
 
@@ -137,7 +137,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         if tc.compile:
             for blk in distributed.blocks(model):
                 blk.compile(dynamic=True)
-        model = distributed.parallelize(model, d, mode, dtype)
+        model = distributed.parallelize(model, d, mode, dtype, tc.expert_parallel)
         opt = make_optimizer(model, tc)
         step = 0
         ckpt = ck.latest_checkpoint(out) if stored is not None else None
