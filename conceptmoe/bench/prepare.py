@@ -7,7 +7,7 @@ documents of 2 to 200 lines, so both the tail and the whole-document rule of the
 apply) is prepared in a fresh process, with one tokenizer trained beforehand on a 4 MB sample so
 that the timing covers reading, splitting, encoding and writing only. Reported: seconds, MB/s of
 UTF-8 text, cores busy (CPU seconds over wall seconds: the tokenizer's threads), and the
-process's peak RSS, total and above what it held after its imports. The
+process's peak RSS, total and above what it held after its imports (torch among them). The
 streaming contract is that the peak does not grow with the corpus (prepare.py).
 """
 
@@ -29,8 +29,13 @@ _CHILD = """
 import json, resource, sys, time
 from conceptmoe.training.prepare import PrepareConfig, prepare
 from conceptmoe.training.shards import open_prepared
+def rss_kb():  # resident now (Linux); elsewhere the peak so far
+    try:
+        return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = resource.getrusage(resource.RUSAGE_SELF)
-base, cpu0 = start.ru_maxrss, start.ru_utime + start.ru_stime
+base, cpu0 = rss_kb(), start.ru_utime + start.ru_stime
 t = time.perf_counter()
 prepare(PrepareConfig(data=sys.argv[1], out=sys.argv[2], tokenizer=sys.argv[3], force=True, progress=False))
 seconds = time.perf_counter() - t
