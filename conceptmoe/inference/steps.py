@@ -15,6 +15,9 @@ others do not touch theirs) and update z with the concept output, or with
 decoding -> logits. Boundaries are always the deterministic p >= 0.5 (inference rule).
 
 The full forward pass of ``model/lm.py`` is the reference: tests check every cached step against it.
+Images: ``prefill(..., pixel_values=...)`` embeds a prompt whose ``input_ids`` hold image
+placeholders (``model/vision.py``); decoding then feeds text tokens only.
+
 One numerical limit: the step computes p_t for one position per row ((B, D) matmuls) and the
 full pass for all positions at once ((B, T, D)); they round differently (~1e-7), so a p_t
 within ~1e-7 of 0.5 can be a boundary in one and not in the other, after which the two
@@ -32,6 +35,7 @@ import torch
 from ..model.attention import rope_tables
 from ..model.chunking import dechunk, gather_concepts
 from ..model.lm import Block, ConceptMoELM
+from ..model.vision import embed_inputs
 from .cache import ChunkState, DechunkState, InferenceState, KVCache
 
 
@@ -81,10 +85,11 @@ def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
-            extra_capacity: int = 0) -> tuple[StepOutput, InferenceState]:
+            extra_capacity: int = 0, pixel_values: torch.Tensor | None = None) -> tuple[StepOutput, InferenceState]:
     """Forward over right-padded prompts (B, T); returns last-token logits and the state.
 
     ``extra_capacity``: token entries to preallocate for the tokens still to come.
+    ``pixel_values`` (B, N, C, H, W): the images whose placeholders the prompts hold.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -92,7 +97,7 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
     if int(lengths.min()) < 1 or int(lengths.max()) > T:
         raise ValueError("every row needs between 1 and T real tokens")
     valid = torch.arange(T, device=dev)[None] < lengths[:, None]  # (B, T)
-    x = model.embed(input_ids)  # (B, T, D)
+    x = model.embed(input_ids) if pixel_values is None else embed_inputs(model, input_ids, pixel_values)  # (B, T, D)
     cos, sin = model.rope(T, dev, x.dtype)
     if not isinstance(model, ConceptMoELM):
         cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x)

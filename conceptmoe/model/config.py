@@ -26,7 +26,8 @@ DECHUNK_SOURCES = ("output", "update")
 # Fields added after runs were stored: written by ``to_dict`` only when they differ from these
 # defaults, so configs stored before they existed still compare equal (``--resume``, ``compare``
 # reuse) and the JSON of every config that does not use them stays byte-identical.
-LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None}
+LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
+                 "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None}
 QK_NORMS = ("none", "head", "full")
 
 
@@ -74,6 +75,12 @@ class ModelConfig:
     concept_loops: int = 1  # run the concept-model layers this many times
     concept_n_experts: int | None = None  # None: same as n_experts
     concept_top_k: int | None = None  # None: same as top_k
+    # --- images in the sequence (model/vision.py; 0: text-only) ---
+    image_size: int = 0  # square images of image_size x image_size pixels
+    image_channels: int = 1
+    patch_size: int = 2  # P x P pixel patches, one sequence position each
+    image_token_id: int = 0  # placeholder token: n_patches of them in input_ids per image
+    image_compression_ratio: float | None = None  # own target R for image positions (None: one R for all)
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (e.g. preset name)
 
     def __post_init__(self) -> None:
@@ -105,6 +112,7 @@ class ModelConfig:
                 bad(name, "must be >= 0")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             bad("rope_theta", "rope_theta and norm_eps must be > 0")
+        self._check_images(bad)
         if self.kind == "moe":
             return
         if not (self.compression_ratio > 1 or (self.compression_ratio == 1 and self.chunk_router == "fixed")):
@@ -129,7 +137,26 @@ class ModelConfig:
         if self.concept_top_k is not None and not 1 <= self.concept_top_k <= self.concept_experts:
             bad("concept_top_k", f"must be in [1, concept experts={self.concept_experts}]")
 
+    def _check_images(self, bad) -> None:
+        if not isinstance(self.image_size, int) or self.image_size < 0:
+            bad("image_size", "must be an integer >= 0 (0: text-only)")
+        if self.image_compression_ratio is not None and not (self.image_size and self.image_compression_ratio > 1):
+            bad("image_compression_ratio", "must be None or > 1, and needs image_size > 0")
+        if not self.image_size:
+            return
+        if not isinstance(self.patch_size, int) or self.patch_size < 1 or self.image_size % self.patch_size:
+            bad("patch_size", f"must be a positive integer dividing image_size={self.image_size}")
+        if not isinstance(self.image_channels, int) or self.image_channels < 1:
+            bad("image_channels", "must be a positive integer")
+        if not 0 <= self.image_token_id < self.vocab_size:
+            bad("image_token_id", f"must be a token id in [0, vocab_size={self.vocab_size})")
+
     # ----- derived sizes -----
+    @property
+    def n_patches(self) -> int:
+        """Sequence positions per image (0 for a text-only model)."""
+        return (self.image_size // self.patch_size) ** 2 if self.image_size else 0
+
     @property
     def head_dim(self) -> int:
         return self.head_size or self.d_model // self.n_heads
@@ -247,7 +274,16 @@ def paper() -> ModelConfig:
                        qk_norm="full", n_encoder_layers=2, n_decoder_layers=2)
 
 
-PRESETS = {"tiny": tiny, "small": small, "paper": paper}
+def vlm() -> ModelConfig:
+    """Vision-language CPU model for the digits task (training/vlm_data.py): 8x8 images in 2x2
+    patches (16 positions per image), a 64-entry word vocabulary, 6 layers (1 + 4 + 1)."""
+    return ModelConfig(vocab_size=64, d_model=128, n_heads=4, n_kv_heads=4, n_layers=6,
+                       n_experts=16, top_k=2, expert_hidden=64, n_shared_experts=1,
+                       n_encoder_layers=1, n_decoder_layers=1, ratio_loss_weight=0.5,
+                       image_size=8, patch_size=2, image_token_id=1)
+
+
+PRESETS = {"tiny": tiny, "small": small, "paper": paper, "vlm": vlm}
 
 
 def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -267,12 +303,15 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 
 
 NULLABLE = ("concept_n_experts", "concept_top_k", "joint_layers")  # int or None
+FLOAT_NULLABLE = ("image_compression_ratio",)  # float or None
 
 
 def _coerce(key: str, raw: str, default: Any) -> Any:
-    if raw.lower() in ("none", "null") and key in NULLABLE:
+    if raw.lower() in ("none", "null") and key in NULLABLE + FLOAT_NULLABLE:
         return None
     try:
+        if key in FLOAT_NULLABLE:
+            return float(raw)
         if isinstance(default, bool):
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True

@@ -9,6 +9,10 @@ count with weight ``concept_loops / R``: they run on about L/R positions. Attent
 count K and V of every layer; concept layers keep one cache per loop with about 1/R entries
 per token.
 
+A vision-language config (``image_size`` > 0) also counts its patch embedding (C·P²·d MACs
+at an image position, ``vision.py``) at ``image_fraction`` of the positions (default 1: every
+position a patch, an upper bound) and its parameters; text-only accounting is unchanged.
+
 ``activated_params`` = all parameters minus the routed experts a token does not select
 (embeddings included, concept layers counted once).
 """
@@ -44,7 +48,7 @@ def _block(cfg: ModelConfig, n_experts: int, top_k: int, joint: bool) -> LayerCo
 
 
 def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None = None,
-                dtype_bytes: int = 2) -> dict:
+                dtype_bytes: int = 2, image_fraction: float = 1.0) -> dict:
     """Compute accounting of ``cfg`` at sequence length ``seq_len``.
 
     ``compression`` overrides R (tokens per concept) with a realised value, e.g. from a forward
@@ -75,9 +79,12 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
     embed_params = V * d + (0 if cfg.tie_embeddings else V * d) + d  # + final norm
     token_macs = sum(c.macs for c in token_layers)
     concept_macs = sum(c.macs for c in concept_layers) * loops / R
-    macs = token_macs + concept_macs + chunk_macs + head
+    patch_in = cfg.image_channels * cfg.patch_size ** 2
+    patch_macs = patch_in * d * image_fraction if cfg.image_size else 0
+    patch_params = (patch_in * d + d + cfg.n_patches * d + d) if cfg.image_size else 0
+    macs = token_macs + concept_macs + chunk_macs + head + patch_macs
     layers = token_layers + concept_layers
-    total = sum(c.params for c in layers) + chunk_params + embed_params
+    total = sum(c.params for c in layers) + chunk_params + embed_params + patch_params
     inactive = sum(c.inactive_params for c in layers)
 
     hd_h = cfg.n_heads * cfg.head_dim
@@ -86,7 +93,7 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
     attn_map = len(token_layers) * per_pos(n_tok) + len(concept_layers) * loops * per_pos(n_con) / R
     kv_layer = 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
     kv = kv_layer * (len(token_layers) + len(concept_layers) * loops / R)
-    return {
+    out = {
         "name": cfg.name,
         "kind": cfg.kind,
         "compression": R,
@@ -103,3 +110,6 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
             "lm_head": 2 * head,
         },
     }
+    if cfg.image_size:
+        out["breakdown_flops_per_token"]["patch_embed"] = 2 * patch_macs
+    return out

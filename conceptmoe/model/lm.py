@@ -10,6 +10,9 @@ ConceptMoE forward: embed -> encoder blocks (token rate) -> chunk (p, boundaries
 -> norm -> LM head. The dechunk carries the concept output (reference) or, with
 ``dechunk_source="update"``, the concept model's update c_out - c_in.
 RoPE choice: concepts use their concept index 0..C-1 as position (tokens use t).
+Images (``pixel_values``, placeholder tokens in ``input_ids``; ``vision.py``) replace their
+placeholders' embeddings; those positions get no LM loss, and ``aux`` then reports the
+realised compression per modality.
 
 Shape legend: B batch, T tokens, C concepts, D d_model, V vocab.
 """
@@ -23,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention, RMSNorm, rope_tables
-from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss_fg
+from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
 from .moe import MoE, MoEAux
 from .stats import ChunkStats, Reduce, router_losses
+from .vision import ImageEmbed, embed_inputs, image_mask, modality_stats
 
 
 @dataclass
@@ -79,6 +83,7 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.vision = ImageEmbed(cfg) if cfg.image_size else None
 
     def _init_weights(self) -> None:
         std, depth = 0.02, (2 * self.cfg.n_layers * self.cfg.concept_loops) ** -0.5
@@ -114,6 +119,11 @@ class LanguageModel(nn.Module):
                 loss = loss + extra_loss
         return ModelOutput(logits=logits, loss=loss, aux=aux)
 
+    @staticmethod
+    def _text_labels(labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Labels with image (patch) positions ignored: the LM loss covers text only."""
+        return labels if labels is None or mask is None else labels.masked_fill(mask, -100)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
@@ -129,8 +139,9 @@ class MoELM(LanguageModel):
         self.layers = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k) for _ in range(cfg.n_layers))
         self._init_weights()
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
-        x = self.embed(input_ids)  # (B, T, D)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None) -> ModelOutput:
+        x = embed_inputs(self, input_ids, pixel_values)  # (B, T, D)
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         moe_aux = []
         for blk in self.layers:
@@ -138,6 +149,7 @@ class MoELM(LanguageModel):
             moe_aux.append(a)
         balance, z_loss, _ = self._router_terms(moe_aux)
         ratio = torch.zeros((), device=x.device)
+        labels = self._text_labels(labels, image_mask(self.cfg, input_ids))
         return self._finish(x, labels, balance, z_loss, {"ratio_loss": ratio, "compression": 1.0}, None)
 
 
@@ -156,8 +168,9 @@ class ConceptMoELM(LanguageModel):
                                      for i in range(cfg.n_decoder_layers))
         self._init_weights()
 
-    def encode(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
-        x = self.embed(input_ids)
+    def encode(self, input_ids: torch.Tensor,
+               pixel_values: torch.Tensor | None = None) -> tuple[torch.Tensor, list[MoEAux]]:
+        x = embed_inputs(self, input_ids, pixel_values)
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         aux = []
         for blk in self.encoder:
@@ -175,23 +188,26 @@ class ConceptMoELM(LanguageModel):
         return c, aux
 
     @torch.no_grad()
-    def boundary_counts(self, input_ids: torch.Tensor, boundary_noise: torch.Tensor | None = None) -> torch.Tensor:
+    def boundary_counts(self, input_ids: torch.Tensor, boundary_noise: torch.Tensor | None = None,
+                        pixel_values: torch.Tensor | None = None) -> torch.Tensor:
         """(boundaries, positions) the forward pass would take on this batch: encoder + router only."""
-        p = self.chunk(self.encode(input_ids)[0])
+        p = self.chunk(self.encode(input_ids, pixel_values)[0])
         b = boundaries(p, self.training, self.cfg.boundary_noise, self.cfg.boundary_sharpness, boundary_noise)
         return torch.stack([b.sum().float(), torch.tensor(float(b.numel()), device=b.device)])
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 boundaries_override: torch.Tensor | None = None,
                 boundary_noise: torch.Tensor | None = None,
-                boundary_fraction: torch.Tensor | None = None) -> ModelOutput:
+                boundary_fraction: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None) -> ModelOutput:
         """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
         drawn from the global RNG); the trainer passes them per global sequence, so that the
         samples do not depend on how a batch is split over processes. ``boundary_fraction``:
         the ratio loss's F measured over a larger batch than this one (``boundary_counts``; used
-        with gradient accumulation, where the loss is then linear in this batch's G)."""
+        with gradient accumulation, where the loss is then linear in this batch's G).
+        ``pixel_values`` (B, N, C, H, W): the images whose placeholders ``input_ids`` hold."""
         cfg = self.cfg
-        h, moe_aux = self.encode(input_ids)  # (B, T, D)
+        h, moe_aux = self.encode(input_ids, pixel_values)  # (B, T, D)
         p = self.chunk(h)  # (B, T)
         if boundaries_override is not None:
             b = boundaries_override.to(torch.bool).clone()
@@ -213,11 +229,27 @@ class ConceptMoELM(LanguageModel):
         if boundary_fraction is not None:
             F_ = boundary_fraction.to(G)
         rl = ratio_loss_fg(F_, G, R) if R > 1 else p.new_zeros(())
-        extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": G.detach()}
+        img = image_mask(cfg, input_ids)
+        if img is not None and cfg.image_compression_ratio is not None:
+            rl = self._modality_ratio_loss(p, b, img)
+        extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": G.detach(),
+                 **modality_stats(img, b)}
         use_ratio = cfg.chunk_router != "fixed"
-        out = self._finish(x, labels, balance, z_loss, extra, cfg.ratio_loss_weight * rl if use_ratio else None)
+        out = self._finish(x, self._text_labels(labels, img), balance, z_loss, extra,
+                           cfg.ratio_loss_weight * rl if use_ratio else None)
         out.boundaries, out.chunks = b, ch
         return out
+
+
+    def _modality_ratio_loss(self, p: torch.Tensor, b: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        """Ratio loss with target R on text and ``image_compression_ratio`` on image positions,
+        weighted by each modality's share of the positions (this batch's statistics)."""
+        cfg, total = self.cfg, p.new_zeros(())
+        for where, R in ((~img, cfg.compression_ratio), (img, cfg.image_compression_ratio)):
+            share = where.float().mean()
+            if bool(where.any()):
+                total = total + share * ratio_loss(p, b, R, where)
+        return total
 
 
 def build_model(cfg: ModelConfig) -> LanguageModel:

@@ -25,10 +25,11 @@ from ..model.flops import count_flops
 from . import checkpoint as ck
 from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data
 from .data import load_corpus
-from .shards import is_prepared, open_prepared
 from .lock import RunLock, holds_only_lock
+from .shards import is_prepared, open_prepared
 from .tokenizer import save_tokenizer, train_tokenizer
 from .train import train
+from .vlm_data import VLM_DATA
 
 DEFAULT_COMPARE_TOKENS = 2_000_000  # ~30-45 min for the default pair on 2 CPU cores
 ABLATIONS = {  # label suffix -> ModelConfig overrides
@@ -96,6 +97,10 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
 def compare(cc: CompareConfig) -> Path:
     out = Path(cc.out)
     models = plan(cc)
+    if cc.data == VLM_DATA:  # the image-text digits task: its own metrics and report
+        from .vlm_compare import compare_vlm
+
+        return compare_vlm(cc, models)
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     prep = open_prepared(cc.data) if is_prepared(cc.data) else None  # token shards bring their tokenizer

@@ -19,6 +19,7 @@ from ..model.config import ModelConfig
 from ..model.match import match_config
 from . import checkpoint as ck
 from .data import DEFAULT_CORPUS
+from .vlm_data import VLM_DATA
 from .init_run import resolve_init
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
@@ -137,8 +138,8 @@ class TrainConfig:
 
 
 def resolve_data(data: str | None) -> str | None:
-    """An absolute --data path (the default corpus keeps its name)."""
-    return data if data is None or str(data) == DEFAULT_CORPUS else str(Path(data).resolve())
+    """An absolute --data path (the default corpus and the digits task keep their names)."""
+    return data if data is None or str(data) in (DEFAULT_CORPUS, VLM_DATA) else str(Path(data).resolve())
 
 
 def model_config(tc: TrainConfig) -> ModelConfig:

@@ -37,6 +37,7 @@ from .loop import Loop, lr_factor  # noqa: F401  (lr_factor: part of this module
 from .shards import ShardSampler, is_prepared, open_prepared
 from .signals import StopOnSignal
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+from .vlm_data import VLM_DATA
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
@@ -89,6 +90,10 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
 def train(tc: TrainConfig) -> Path:
     """Train (or resume) one run on this process, or on every process of a torchrun job;
     returns its directory. Rank 0 holds the run's lock and writes; every rank computes."""
+    if tc.data == VLM_DATA:  # the image-text digits task has its own loop (vlm_train.py)
+        from .vlm_train import train_vlm
+
+        return train_vlm(tc)
     d = distributed.setup(tc.device)
     try:
         return _train(tc, d)
