@@ -194,5 +194,5 @@ def test_train_vlm_digits_end_to_end(tmp_path):
     assert {"val_loss", "answer_accuracy", "compression_image", "compression_text"} <= set(ev)
     assert np.isfinite(ev["val_loss"])
     views = find_vlm_boundaries(out, 2, "cpu")
-    assert len(views) == 2 and len(views[0].patch_concepts[0]) == 16
+    assert len(views) == 2 and len(views[0].patch_concepts[0]) == 4  # 4x4 patches of 8x8
     assert "<svg" in render_vlm_html(views, str(out)) and "example 0" in render_vlm_terminal(views)

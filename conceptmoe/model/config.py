@@ -275,12 +275,12 @@ def paper() -> ModelConfig:
 
 
 def vlm() -> ModelConfig:
-    """Vision-language CPU model for the digits task (training/vlm_data.py): 8x8 images in 2x2
-    patches (16 positions per image), a 64-entry word vocabulary, 6 layers (1 + 4 + 1)."""
+    """Vision-language CPU model for the digits task (training/vlm_data.py): 8x8 images in 4x4
+    patches (4 positions per image), a 64-entry word vocabulary, 6 layers (1 + 4 + 1)."""
     return ModelConfig(vocab_size=64, d_model=128, n_heads=4, n_kv_heads=4, n_layers=6,
                        n_experts=16, top_k=2, expert_hidden=64, n_shared_experts=1,
                        n_encoder_layers=1, n_decoder_layers=1, ratio_loss_weight=0.5,
-                       image_size=8, patch_size=2, image_token_id=1)
+                       image_size=8, patch_size=4, image_token_id=1)
 
 
 PRESETS = {"tiny": tiny, "small": small, "paper": paper, "vlm": vlm}

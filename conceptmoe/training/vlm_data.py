@@ -8,8 +8,8 @@ built from the other images only, evaluation sequences from the held-out ones on
 An example is two or three digit images followed by text that can only be predicted by
 looking at them::
 
-    <bos> <image>x16 <image>x16 the digits are 3 and 7 ; their sum is 1 0 ; the larger is 7 <eos>
-    <bos> <image>x16 x3 the digits are 3 , 7 and 2 ; their sum is 1 2 ; the largest is 7 <eos>
+    <bos> <image>xS <image>xS the digits are 3 and 7 ; their sum is 1 0 ; the larger is 7 <eos>
+    <bos> (<image>xS)x3 the digits are 3 , 7 and 2 ; their sum is 1 2 ; the largest is 7 <eos>
 
 Numbers are spelled digit by digit by a fixed word-level tokenizer (``tokenizer.json`` in each
 run). The *prompt* of an example ends after "the digits are"; its *answer* is the rest.
