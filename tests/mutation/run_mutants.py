@@ -58,7 +58,7 @@ MUTANTS = [
            CACHE, "decoder decode step without the concept (joint decoding)"),
     Mutant("ste-no-gradient", CHUNK, "return 1 + x - x.detach()", "return torch.ones_like(x)",
            GRAD, "straight-through estimator passes no gradient"),
-    Mutant("ema-detach-p", CHUNK, "ema_scan(chunks.concept_p, ", "ema_scan(chunks.concept_p.detach(), ",
+    Mutant("ema-detach-p", CHUNK, "ema_scan(chunks.concept_p.float(), ", "ema_scan(chunks.concept_p.detach().float(), ",
            GRAD, "no gradient through the EMA weights"),
     Mutant("drop-ratio-loss", LM, "cfg.ratio_loss_weight * rl if use_ratio else None)", "None)",
            GRAD, "ratio loss left out of the total loss"),
