@@ -29,7 +29,13 @@ class ImageEmbed(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.patch = cfg.patch_size
-        self.proj = nn.Linear(cfg.image_channels * cfg.patch_size ** 2, cfg.d_model)
+        n_in = cfg.image_channels * cfg.patch_size ** 2
+        self.proj = nn.Linear(n_in, cfg.d_model)
+        # Unit-scale start: with the LM's std 0.02 (and torch's bias init) the pixel-dependent
+        # part of a patch vector is drowned by the bias and the digits task does not learn to
+        # read images in a few hundred steps (first-digit accuracy at chance vs 0.92 after 200).
+        nn.init.normal_(self.proj.weight, std=n_in ** -0.5)
+        nn.init.zeros_(self.proj.bias)
         self.pos = nn.Parameter(torch.randn(cfg.n_patches, cfg.d_model) * 0.02)  # where in the image
         self.modality = nn.Parameter(torch.randn(cfg.d_model) * 0.02)  # "this position is an image"
 
