@@ -136,6 +136,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_tasks(args)
     if args.val_tokens is not None and args.val_tokens < 1:
         raise UserError("--val-tokens must be a positive integer")
+    from ..training.vlm_boundaries import is_vlm_run
+
+    if is_vlm_run(args.run):  # the digits task: text loss, answer accuracy, compression per modality
+        from ..training.vlm_train import evaluate_vlm_run, log_line
+
+        res = evaluate_vlm_run(args.run, args.device)
+        print(json.dumps(res) if args.json else log_line(res))
+        return 0
     res = evaluate(args.run, args.data, args.device, args.batch_size, args.val_tokens, progress=True)
     if not math.isfinite(res["val_loss"]):
         raise UserError(f"validation loss is {res['val_loss']}: the run's weights have diverged")

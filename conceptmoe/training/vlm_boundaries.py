@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .checkpoint import load_run
+from .checkpoint import load_run, read_run_config
 from .vlm_data import VLM_DATA, eval_examples, load_digits
 
 _HTML = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -38,9 +38,12 @@ class VlmView:
 
 
 def is_vlm_run(run_dir: str | Path) -> bool:
-    from .checkpoint import read_run_config
-
-    return read_run_config(run_dir).get("train", {}).get("data") == VLM_DATA
+    """The run was trained on the digits task (False for anything unreadable: the text path
+    reports that)."""
+    try:
+        return read_run_config(run_dir).get("train", {}).get("data") == VLM_DATA
+    except UserError:
+        return False
 
 
 @torch.no_grad()

@@ -174,6 +174,13 @@ def evaluate_vlm(model, digits: Digits, examples: list[Example], device=None,
     return res
 
 
+def evaluate_vlm_run(run_dir: str | Path, device: str = "auto") -> dict[str, float]:
+    """``evaluate_vlm`` of a trained vlm-digits run on the fixed held-out examples."""
+    model, cfg, _, _ = ck.load_run(run_dir, device)
+    digits = load_digits()
+    return evaluate_vlm(model, digits, eval_examples(digits, N_EVAL, cfg.n_patches))
+
+
 def _modality_counts(img: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[int, int]]:
     """(positions, concepts) per modality; a concept counts in its boundary token's modality."""
     return {k: (int(where.sum()), int((b & where).sum()))
