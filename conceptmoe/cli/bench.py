@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -12,8 +14,10 @@ from ..bench.latency import LatencySettings, run_latency
 from ..bench.latency_report import format_table, write_outputs
 from ..bench.moe import ARCHS, TABLE_HEADER, TOLERANCE, require_transformers, write_rows
 from ..bench.moe import compare as compare_moe
-from ..bench.scan import run_and_report
 from ..bench.prepare import run_and_report as run_prepare_bench
+from ..bench.scan import run_and_report
+from ..bench.train import format_table as format_train_table
+from ..bench.train import run_train_bench
 from ..errors import UserError
 from ..training.checkpoint import load_run
 
@@ -104,6 +108,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_scan)
 
     p = bench.add_parser(
+        "train", help="training step time: MoE vs compute-matched ConceptMoE",
+        description="Forward and backward time of a training step of the MoE baseline and its "
+                    "compute-matched ConceptMoE, interleaved, medians; prints a table, writes train.json.")
+    p.add_argument("--preset", default="small", help="MoE baseline preset (default small)")
+    p.add_argument("--ratios", type=_floats, default=[2.0], help="compression ratios R (default 2)")
+    p.add_argument("--strategies", type=_words, default=["topk"], help="topk,layers,loop (default topk)")
+    p.add_argument("--seq-lens", type=_lengths, default=[256, 2048], help="sequence lengths (default 256,2048)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per step: batch = tokens / length (default 2048)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats, median reported (default 5)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", help="also write train.json into this directory")
+    p.set_defaults(func=cmd_bench_train)
+
+    p = bench.add_parser(
         "prepare", help="conceptmoe prepare: MB/s and peak RSS as the corpus grows",
         description="Prepare synthetic .jsonl corpora of the given sizes, each in a fresh process with one "
                     "pre-trained tokenizer; print MB/s and peak RSS (flat when prepare streams).")
@@ -174,6 +192,22 @@ def cmd_bench_scan(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run_and_report(args.concepts, args.dim, args.batch, args.repeats, "cpu", args.out)
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    if args.tokens < 1 or args.repeats < 1 or args.threads < 0:
+        raise UserError("--tokens and --repeats must be >= 1 and --threads >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
+                          args.tokens, args.repeats)
+    print(format_train_table(res))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+        print(f"wrote {out / 'train.json'}")
     return 0
 
 

@@ -1,0 +1,73 @@
+"""Training throughput of the MoE baseline and its compute-matched ConceptMoE (CONCEPTMOE.md §3, §5).
+
+``run_train_bench(...)`` builds the MoE of a preset and the ConceptMoE that ``match_config``
+gives for each ratio and strategy, and times a training step (forward, then backward) on random
+tokens at each sequence length. Models are interleaved inside every repeat so machine noise hits
+them alike; medians are reported. Boundary noise is on as in training. ``ratio`` columns are the
+ConceptMoE's tokens/s over the MoE's (>= 1: at least as fast).
+
+Shape legend: B batch rows, T tokens per row.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.lm import build_model
+from ..model.match import match_config
+
+
+def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
+    kwargs = {"boundary_noise": u} if model.cfg.is_concept else {}
+    t0 = time.perf_counter()
+    out = model(x, labels=x, **kwargs)
+    t1 = time.perf_counter()
+    out.loss.backward()
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
+
+
+def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
+                    seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
+                    seed: int = 0) -> dict:
+    """Per sequence length and model: median forward / backward seconds and tokens/s."""
+    base = ModelConfig.from_preset(preset, kind="moe")
+    cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
+    torch.manual_seed(seed)
+    models = {name: build_model(cfg).train() for name, cfg in cfgs}
+    rows = []
+    for T in seq_lens:
+        B = max(1, tokens // T)
+        g = torch.Generator().manual_seed(seed + T)
+        x = torch.randint(0, base.vocab_size, (B, T), generator=g)
+        u = torch.rand(B, T, generator=g)
+        for m in models.values():  # warm-up
+            _step(m, x, u)
+        times: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
+        for _ in range(repeats):
+            for name, m in models.items():
+                times[name].append(_step(m, x, u))
+        base_tps = None
+        for name, t in times.items():
+            fwd = statistics.median(a for a, _ in t)
+            bwd = statistics.median(b for _, b in t)
+            tps = B * T / (fwd + bwd)
+            base_tps = base_tps or tps
+            rows.append({"model": name, "seq_len": T, "batch": B, "forward_s": fwd, "backward_s": bwd,
+                         "tokens_per_s": tps, "ratio_vs_moe": tps / base_tps})
+    return {"preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
+            "models": {n: cfg.name for n, cfg in cfgs}}
+
+
+def format_table(res: dict) -> str:
+    lines = [f"training step, preset {res['preset']}, {res['threads']} threads, median of {res['repeats']}",
+             f"{'model':<12}{'T':>6}{'B':>4}{'fwd (s)':>10}{'bwd (s)':>10}{'tok/s':>9}{'vs MoE':>8}"]
+    for r in res["rows"]:
+        lines.append(f"{r['model']:<12}{r['seq_len']:>6}{r['batch']:>4}{r['forward_s']:>10.3f}{r['backward_s']:>10.3f}"
+                     f"{r['tokens_per_s']:>9.0f}{r['ratio_vs_moe']:>8.2f}")
+    return "\n".join(lines)

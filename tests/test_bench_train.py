@@ -1,0 +1,24 @@
+"""`conceptmoe bench train`: the table and train.json (tiny sizes; timings are not asserted)."""
+
+import json
+
+from conceptmoe.bench.train import run_train_bench
+from conceptmoe.cli import main
+
+
+def test_bench_train_rows_and_json(tmp_path, capsys):
+    assert main(["bench", "train", "--preset", "tiny", "--seq-lens", "16,32", "--tokens", "64", "--repeats", "1",
+                 "--strategies", "topk,loop", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "train.json").read_text())
+    assert [(r["model"], r["seq_len"]) for r in res["rows"]] == [
+        (m, t) for t in (16, 32) for m in ("MoE", "topk-R2", "loop-R2")]
+    for r in res["rows"]:
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["batch"] * r["seq_len"] == 64
+        if r["model"] == "MoE":
+            assert r["ratio_vs_moe"] == 1.0
+    assert "vs MoE" in capsys.readouterr().out
+
+
+def test_bench_train_matched_models():
+    res = run_train_bench("tiny", (1.5,), ("layers",), (16,), 32, 1)
+    assert res["models"]["layers-R1.5"].startswith("ConceptMoE-")
