@@ -130,17 +130,24 @@ class MoE(nn.Module):
             y.index_add_(0, tok, (h @ self.w_down[e]) * w[tok, slot, None].to(x.dtype))
         return y
 
-    def expert_ffn(self, xs: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
-        """SwiGLU of rows xs (M, D) grouped by expert: counts[e] rows for this module's e-th expert."""
+    def expert_ffn(self, xs: torch.Tensor, counts: torch.Tensor, grouped: bool,
+                   scale: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU of rows xs (M, D) grouped by expert: counts[e] rows for this module's e-th expert.
+
+        ``scale`` (M, 1): routing weights, applied to the hidden activations (M, F) before the
+        down projection, which is linear: cheaper than scaling the outputs (M, D) when F < D."""
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
             g = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_gate, offs=offs))
             u = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_up, offs=offs))
-            return _ContiguousGrad.apply(F.grouped_mm(F.silu(g) * u, self.w_down, offs=offs))
+            h = F.silu(g) * u
+            return _ContiguousGrad.apply(F.grouped_mm(h if scale is None else h * scale, self.w_down, offs=offs))
         parts = []
-        for e, xe in enumerate(xs.split(counts.tolist())):
+        for e, (xe, se) in enumerate(zip(xs.split(counts.tolist()),
+                                         (scale if scale is not None else xs[:, :1]).split(counts.tolist()))):
             if xe.shape[0]:
-                parts.append((F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])) @ self.w_down[e])
+                h = F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])
+                parts.append((h if scale is None else h * se) @ self.w_down[e])
         return torch.cat(parts) if parts else xs[:0]
 
     @torch.compiler.disable  # data-dependent group sizes; grouped_mm has no fp32 fake kernel on CPU
@@ -153,11 +160,11 @@ class MoE(nn.Module):
         tok = order // K  # token of each sorted slot
         counts = torch.bincount(flat, minlength=self.n_experts)
         xs = x[tok]  # (N*K, D) grouped by expert
+        ws = w.flatten()[order, None].to(x.dtype)  # (N*K, 1) routing weight of each sorted slot
         if self.expert_dispatch is not None:  # experts on other processes (installed from outside)
-            out = self.expert_dispatch(self, xs, counts, grouped)
+            out = self.expert_dispatch(self, xs, counts, grouped) * ws
         else:
-            out = self.expert_ffn(xs, counts, grouped)
-        out = out * w.flatten()[order, None].to(x.dtype)
+            out = self.expert_ffn(xs, counts, grouped, scale=ws)
         return torch.zeros_like(x).index_add_(0, tok, out)
 
     def forward(self, x: torch.Tensor, dispatch: str = "grouped") -> tuple[torch.Tensor, MoEAux]:
