@@ -160,7 +160,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             for g in lp.opt.param_groups:
                 g["lr"] = tc.lr * g["lr_mult"] * factor
             x = lp.sampler.next()  # (B, T) the global batch; labels = inputs (the model shifts)
-            u = boundary_uniforms(tc.seed, step, tuple(x.shape))
+            u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
             lp.opt.zero_grad(set_to_none=True)
             loss, aux = forward_backward(lp, x, u)
             gnorm = _grad_norm(lp.model, tc.grad_clip)
