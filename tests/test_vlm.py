@@ -196,3 +196,52 @@ def test_train_vlm_digits_end_to_end(tmp_path):
     views = find_vlm_boundaries(out, 2, "cpu")
     assert len(views) == 2 and len(views[0].patch_concepts[0]) == 4  # 4x4 patches of 8x8
     assert "<svg" in render_vlm_html(views, str(out)) and "example 0" in render_vlm_terminal(views)
+
+
+def test_vlm_run_resumes_exactly_in_the_ordinary_loop(tmp_path, monkeypatch):
+    """The digits task trains in the ordinary loop: a SIGTERM checkpoints, --resume equals an
+    uninterrupted run."""
+    import os
+    import signal
+
+    from conceptmoe.errors import Interrupted
+    from conceptmoe.training import checkpoint as ck
+    from conceptmoe.training import vlm_train
+    from conceptmoe.training.config import TrainConfig
+    from conceptmoe.training.train import train
+
+    over = {"d_model": 32, "n_experts": 4, "expert_hidden": 16, "n_layers": 3}
+    common = dict(data="vlm-digits", preset="vlm", overrides=over, batch_size=2, seq_len=128, device="cpu",
+                  progress=False, save_every=4, eval_every=2, max_steps=6)
+    ref = train(TrainConfig(**common, out=str(tmp_path / "ref")))
+    real_next = vlm_train.DigitsSampler.next
+
+    def next_then_term(self):  # a scheduler's SIGTERM arrives during step 3
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self)
+
+    monkeypatch.setattr(vlm_train.DigitsSampler, "next", next_then_term)
+    with pytest.raises(Interrupted):
+        train(TrainConfig(**common, out=str(tmp_path / "run")))
+    assert [r["step"] for r in ck.read_metrics(tmp_path / "run")] == [1, 2, 3]
+    monkeypatch.setattr(vlm_train.DigitsSampler, "next", real_next)
+    out = train(TrainConfig(**common, out=str(tmp_path / "run"), resume=True))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert strip(ck.read_metrics(out)) == strip(ck.read_metrics(ref))
+    assert (out / "eval.json").read_text() == (ref / "eval.json").read_text()
+
+
+def test_digits_sampler_position_round_trip():
+    from conceptmoe.training.vlm_data import load_digits
+    from conceptmoe.training.vlm_train import DigitsSampler
+
+    digits = load_digits()
+    a = DigitsSampler(digits, 3, 2, 128, 4)
+    first = [a.next() for _ in range(3)]
+    b = DigitsSampler(digits, 3, 2, 128, 4)
+    b.set_position({"step": 2})
+    assert a.position == {"step": 3}
+    again = b.next()
+    for k in ("input_ids", "labels", "pixel_values"):
+        assert torch.equal(again[k], first[2][k])

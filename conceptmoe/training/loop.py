@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,8 +35,20 @@ from . import distributed, expert_parallel
 from .config import TrainConfig
 from .data import BatchSampler
 from .distributed import Dist
-from .evaluate import evaluate_tokens
 from .signals import StopOnSignal
+
+
+@dataclass
+class TaskData:
+    """What a training task brings to a run: data, its validation, its record (``train.py``)."""
+
+    tokenizer: Any  # tokenizers.Tokenizer, saved into the run
+    sampler: Any  # BatchSampler-like: next(), position, set_position
+    record: dict  # stored in config.json["data"]; a resumed run must match it
+    byte_len: np.ndarray  # UTF-8 bytes per token id (bits per byte)
+    validate: Callable[[nn.Module], dict[str, float]]  # periodic validation -> metrics fields
+    final: Callable[[nn.Module], dict[str, float]]  # final validation -> eval.json
+    note: str  # one line describing the data split (printed at the start)
 
 
 @dataclass
@@ -46,9 +58,9 @@ class Loop:
     tc: TrainConfig
     model: nn.Module  # what to call: the model, FSDP-sharded in place, or a DDP wrapper
     opt: torch.optim.Optimizer
-    sampler: BatchSampler
+    sampler: BatchSampler  # next() -> the global batch: (B, T) token ids, or a dict of batch-first tensors
     out: Path
-    val_ids: np.ndarray
+    validate: Callable[[nn.Module], dict[str, float]]  # periodic validation: fields for the metrics row
     byte_len: np.ndarray
     dist: Dist
     plain: Callable[[], nn.Module]  # a fresh unparallelized model (for gathering FSDP checkpoints)
@@ -95,9 +107,16 @@ def _sync(model: nn.Module, on: bool):
     return contextlib.nullcontext()
 
 
-def forward_backward(lp: Loop, x: torch.Tensor, u: torch.Tensor | None) -> tuple[float, dict[str, float]]:
-    """Gradients of this rank's slice of the global batch x (B, T); (global loss, mean aux terms)."""
+def as_batch(batch) -> dict[str, torch.Tensor]:
+    """The model's inputs of a global batch: token ids (B, T) train on themselves (shifted inside)."""
+    return {"input_ids": batch, "labels": batch} if torch.is_tensor(batch) else batch
+
+
+def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor | None) -> tuple[float, dict[str, float]]:
+    """Gradients of this rank's slice of the global batch (model inputs, batch-first); (global loss,
+    mean aux terms). Every tensor of the batch is sliced by rows alike."""
     d, K, dev = lp.dist, lp.tc.grad_accum, lp.dist.device
+    x = batch["input_ids"]
     rows = x.shape[0] // d.world
     mine = slice(d.rank * rows, (d.rank + 1) * rows)
     micro = rows // K
@@ -109,16 +128,18 @@ def forward_backward(lp: Loop, x: torch.Tensor, u: torch.Tensor | None) -> tuple
     if concept and K > 1 and lp.raw.cfg.chunk_router != "fixed":
         # The ratio loss is linear in G once F is fixed: measure F over the whole global batch
         # first (encoder + router, no grad), so that accumulation equals one big batch.
+        images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
         with autocast:
-            counts = sum(lp.model.boundary_counts(x[s].to(dev), u[s].to(dev)) for s in parts)
+            counts = sum(lp.model.boundary_counts(x[s].to(dev), u[s].to(dev), **{k: v[s].to(dev) for k, v in
+                                                                                 images.items()}) for s in parts)
         n_b, n_pos = d.sum(counts)
         extra["boundary_fraction"] = n_b / n_pos
     loss_sum, aux_sum = 0.0, {}
     for k, part in enumerate(parts):
-        xs = x[part].to(dev)
+        inputs = {name: t[part].to(dev) for name, t in batch.items()}
         kwargs = {"boundary_noise": u[part].to(dev), **extra} if concept and u is not None else {}
         with _sync(lp.model, k == K - 1), autocast:
-            res = lp.model(xs, labels=xs, **kwargs)
+            res = lp.model(**inputs, **kwargs)
         (res.loss / K).backward()
         loss_sum += float(res.loss.detach()) / K
         for name, v in res.aux.items():
@@ -159,10 +180,11 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             factor = lr_factor(step, total, warmup, tc.min_lr_ratio)
             for g in lp.opt.param_groups:
                 g["lr"] = tc.lr * g["lr_mult"] * factor
-            x = lp.sampler.next()  # (B, T) the global batch; labels = inputs (the model shifts)
+            batch = as_batch(lp.sampler.next())  # the global batch (the model shifts the labels)
+            x = batch["input_ids"]
             u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
             lp.opt.zero_grad(set_to_none=True)
-            loss, aux = forward_backward(lp, x, u)
+            loss, aux = forward_backward(lp, batch, u)
             gnorm = _grad_norm(lp.model, tc.grad_clip)
             bad = _not_finite(loss, gnorm)
             if bad and skipped < tc.skip_bad_steps:  # drop this batch's update, keep going
@@ -180,17 +202,18 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             step += 1
             tokens_per_s = x.numel() / (time.perf_counter() - t0)  # training only, before validation
             ce = aux["ce_loss"]
-            n_bytes = int(lp.byte_len[x[:, 1:].numpy()].sum())
+            target = batch["labels"][:, 1:]
+            target = target[target != -100]  # the predicted tokens
+            n_bytes = int(lp.byte_len[target.numpy()].sum())
             row = {"step": step, "loss": loss, "ce_loss": ce,
-                   "bpb": ce * x[:, 1:].numel() / math.log(2) / max(n_bytes, 1),
+                   "bpb": ce * target.numel() / math.log(2) / max(n_bytes, 1),
                    "lr": tc.lr * factor, "compression": aux["compression"],
                    "ratio_loss": aux["ratio_loss"], "balance_loss": aux["balance_loss"],
                    "grad_norm": gnorm, "tokens": step * x.numel()}
             if "boundary_prob" in aux:
                 row["boundary_prob"] = aux["boundary_prob"]
             if eval_every and (step % eval_every == 0 or step == total):
-                v = evaluate_tokens(eval_model, lp.val_ids, lp.byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
-                row.update(val_loss=v["val_loss"], val_bpb=v["val_bpb"], val_compression=v["compression"])
+                row.update(lp.validate(eval_model))
                 lp.model.train()
             row["tokens_per_s"] = tokens_per_s
             bad = next((f"{k} is {v}" for k, v in row.items() if not math.isfinite(v)), None)

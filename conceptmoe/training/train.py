@@ -33,7 +33,7 @@ from .distributed import Dist
 from .evaluate import evaluate_tokens
 from .init_run import load_init_weights
 from .lock import RunLock, holds_only_lock
-from .loop import Loop, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
+from .loop import Loop, TaskData, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
 from .shards import ShardSampler, is_prepared, open_prepared
 from .signals import StopOnSignal
 from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
@@ -45,7 +45,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     for name, p in model.named_parameters():
         if name.startswith("chunk."):
             groups["chunk"].append(p)
-        elif p.dim() >= 2 and not name.startswith("embed."):
+        elif p.dim() >= 2 and not name.startswith(("embed.", "vision.pos")):
             groups["decay"].append(p)
         else:
             groups["no_decay"].append(p)
@@ -90,15 +90,42 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
 def train(tc: TrainConfig) -> Path:
     """Train (or resume) one run on this process, or on every process of a torchrun job;
     returns its directory. Rank 0 holds the run's lock and writes; every rank computes."""
-    if tc.data == VLM_DATA:  # the image-text digits task has its own loop (vlm_train.py)
-        from .vlm_train import train_vlm
-
-        return train_vlm(tc)
     d = distributed.setup(tc.device)
     try:
         return _train(tc, d)
     finally:
         distributed.teardown(d)
+
+
+def _text_data(tc: TrainConfig, mc: ModelConfig, out: Path, stored: dict | None, d: Dist) -> TaskData:
+    """Plain text (file, folder, .jsonl, the default corpus) or `conceptmoe prepare` shards."""
+    prep = open_prepared(tc.data) if is_prepared(tc.data) else None
+    corpus = prep or load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
+    if stored is not None:
+        check_record(stored.get("data"), corpus)
+    tok = Tokenizer.from_str(d.run_on_main(lambda: (
+        prep.tokenizer(tc.tokenizer, mc.vocab_size) if prep
+        else _tokenizer(tc, mc, out, [t.text for t in corpus.train])).to_str()))
+    train_ids = prep.train_tokens if prep else encode_documents(tok, [t.text for t in corpus.train], DOC_SEP)
+    val_ids = prep.val_tokens if prep else encode_documents(tok, [t.text for t in corpus.val], DOC_SEP)
+    sampler = (ShardSampler if prep else BatchSampler)(train_ids, tc.seq_len, tc.batch_size, tc.seed)
+    record = {**corpus.record(), "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
+    byte_len = byte_lengths(tok, mc.vocab_size)
+
+    def validate(model) -> dict[str, float]:
+        v = evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.eval_tokens)
+        return {"val_loss": v["val_loss"], "val_bpb": v["val_bpb"], "val_compression": v["compression"]}
+
+    def final(model) -> dict[str, float]:
+        return evaluate_tokens(model, val_ids, byte_len, tc.seq_len, max_tokens=tc.val_tokens,
+                               progress=tc.progress and d.main)
+
+    cap = min(len(val_ids), tc.val_tokens or len(val_ids))
+    note = (f"data {record['source']}: {record['train_documents']} training / {record['val_documents']} "
+            f"held-out pieces, {len(train_ids):,} / {len(val_ids):,} tokens "
+            f"({100 * len(val_ids) / max(len(train_ids) + len(val_ids), 1):.1f}% held out); "
+            f"final validation on {cap:,} tokens")
+    return TaskData(tok, sampler, record, byte_len, validate, final, note)
 
 
 def _train(tc: TrainConfig, d: Dist) -> Path:
@@ -111,30 +138,20 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                         f"({d.world} x {tc.grad_accum})")
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
-        prep = open_prepared(tc.data) if is_prepared(tc.data) else None  # `conceptmoe prepare` shards
-        corpus = prep or load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
-        if stored is not None:
-            check_record(stored.get("data"), corpus)
-        tok = Tokenizer.from_str(d.run_on_main(lambda: (
-            prep.tokenizer(tc.tokenizer, mc.vocab_size) if prep
-            else _tokenizer(tc, mc, out, [t.text for t in corpus.train])).to_str()))
-        train_ids = prep.train_tokens if prep else encode_documents(tok, [t.text for t in corpus.train], DOC_SEP)
-        val_ids = prep.val_tokens if prep else encode_documents(tok, [t.text for t in corpus.val], DOC_SEP)
-        sampler = (ShardSampler if prep else BatchSampler)(train_ids, tc.seq_len, tc.batch_size, tc.seed)
-        data = {**corpus.record(), "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
+        if tc.data == VLM_DATA:  # the image-text digits task (vlm_train.py)
+            from .vlm_train import vlm_data
+
+            data = vlm_data(tc, mc, stored)
+        else:
+            data = _text_data(tc, mc, out, stored, d)
         if tc.progress and d.main:
-            cap = min(len(val_ids), tc.val_tokens or len(val_ids))
-            print(f"data {data['source']}: {data['train_documents']} training / {data['val_documents']} "
-                  f"held-out pieces, {len(train_ids):,} / {len(val_ids):,} tokens "
-                  f"({100 * len(val_ids) / max(len(train_ids) + len(val_ids), 1):.1f}% held out); "
-                  f"final validation on {cap:,} tokens"
-                  + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
+            print(data.note + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
         if d.main:  # all input is valid: only now is the output folder touched
             if tc.force and not tc.resume:
                 ck.remove_run(out)
-            save_tokenizer(tok, out / "tokenizer.json")
+            save_tokenizer(data.tokenizer, out / "tokenizer.json")
             ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
-                                                "model": mc.to_dict(), "train": tc.to_dict(), "data": data})
+                                                "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record})
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
         if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
@@ -149,20 +166,17 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         if ckpt is not None:
             state = distributed.load(ckpt, model, opt, d)
             step = int(state["step"])
-            sampler.set_position(state["data_position"])
+            data.sampler.set_position(state["data_position"])
         if d.main:
             if ckpt is not None:
                 ck.link_latest_weights(out, ckpt)
             ck.truncate_metrics(out, step)
             (out / "eval.json").unlink(missing_ok=True)  # present again only once this run completes
         d.barrier()
-        byte_len = byte_lengths(tok, mc.vocab_size)
-        lp = Loop(tc, model, opt, sampler, out, val_ids, byte_len, d, lambda: build_model(mc), dtype)
+        lp = Loop(tc, model, opt, data.sampler, out, data.validate, data.byte_len, d, lambda: build_model(mc), dtype)
         with StopOnSignal() as stop:
             loop.run(lp, step, stop)
-        eval_model = model if distributed.is_sharded(model) else lp.raw
-        final = evaluate_tokens(eval_model, val_ids, byte_len, tc.seq_len, max_tokens=tc.val_tokens,
-                                progress=tc.progress and d.main)
+        final = data.final(model if distributed.is_sharded(model) else lp.raw)
         if not math.isfinite(final["val_loss"]):
             raise UserError(f"final validation loss is {final['val_loss']}; the run diverged (checkpoint kept)")
         if d.main:

@@ -1,11 +1,9 @@
 """Training and evaluation on the vision-language digits task (``--data vlm-digits``, vlm_data.py).
 
-``train_vlm(TrainConfig) -> Path`` is what ``train`` runs for ``data="vlm-digits"``: one
-process, AdamW (the same groups and schedule as text training), boundary noise from per-step
-uniforms, a run directory like any other (config.json with a ``data`` record, tokenizer.json,
-metrics.jsonl, model.safetensors via a checkpoint, eval.json), so ``load_run``, ``generate``
-and ``boundaries`` open it. Not supported yet: ``--resume`` from a killed run, torchrun,
-grad-accum, bf16.
+``vlm_data(tc, mc, stored)`` is what ``train`` uses for ``data="vlm-digits"``: the tokenizer,
+a resumable sampler (global batch k is a pure function of (seed, k)), the periodic and final
+evaluation below, and the data record. Training itself is the ordinary loop (``loop.py``), so
+checkpoints, ``--resume``, signals, divergence checks, torchrun and grad-accum all apply.
 
 ``evaluate_vlm(model, digits, examples)``: on held-out examples (held-out images only),
 one example per row from position 0:
@@ -19,120 +17,80 @@ one example per row from position 0:
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from ..errors import UserError
-from ..model.lm import build_model
+from ..model.config import ModelConfig
 from ..model.vision import image_mask
 from . import checkpoint as ck
-from .config import TrainConfig, default_out, model_config
-from .lock import RunLock, holds_only_lock
-from .loop import boundary_uniforms, lr_factor
-from .tokenizer import save_tokenizer
-from .vlm_data import (EOS, PAD, SEMI, VLM_DATA, Digits, Example, build_tokenizer, collate, eval_examples,
-                       load_digits, training_batch)
+from .config import TrainConfig
+from .data import check_record
+from .loop import TaskData
+from .tokenizer import byte_lengths
+from .vlm_data import (
+    EOS,
+    PAD,
+    SEMI,
+    VLM_DATA,
+    Digits,
+    Example,
+    build_tokenizer,
+    collate,
+    eval_examples,
+    load_digits,
+    training_batch,
+)
 
 N_EVAL = 400  # held-out examples in the final evaluation
 N_EVAL_DURING = 100  # ... in the periodic validations
 EVAL_BATCH = 50
 
 
-def _optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with train.make_optimizer's groups: decay on matrices (not embeddings), chunk lr mult."""
-    groups = {"decay": [], "no_decay": [], "chunk": []}
-    for name, p in model.named_parameters():
-        key = "chunk" if name.startswith("chunk.") else \
-            "decay" if p.dim() >= 2 and not name.startswith(("embed.", "vision.pos")) else "no_decay"
-        groups[key].append(p)
-    spec = [("decay", tc.weight_decay, 1.0), ("no_decay", 0.0, 1.0), ("chunk", 0.0, tc.chunk_lr_mult)]
-    return torch.optim.AdamW([{"params": groups[n], "weight_decay": wd, "lr_mult": m, "lr": tc.lr * m}
-                              for n, wd, m in spec if groups[n]], lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+class DigitsSampler:
+    """Global batch ``k`` of the digits task, a pure function of (seed, k): resumable anywhere."""
+
+    def __init__(self, digits: Digits, seed: int, batch_size: int, seq_len: int, n_patches: int) -> None:
+        self.digits, self.seed, self.batch_size, self.seq_len, self.n_patches = \
+            digits, seed, batch_size, seq_len, n_patches
+        self.step = 0
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def set_position(self, pos: dict[str, int]) -> None:
+        self.step = int(pos["step"])
+
+    def next(self) -> dict[str, torch.Tensor]:
+        b = training_batch(self.digits, self.seed, self.step, self.batch_size, self.seq_len, self.n_patches)
+        self.step += 1
+        return {"input_ids": b.ids, "labels": b.labels, "pixel_values": b.pixel_values}
 
 
-def _check_out(tc: TrainConfig, out: Path) -> None:
-    if tc.resume:
-        raise UserError(f"--resume is not supported for --data {VLM_DATA} yet; rerun with --force")
-    if ck.is_run(out) and not tc.force:
-        raise UserError(f"{out} already holds a run; use --force to replace it")
-    if not ck.is_run(out) and not holds_only_lock(out) and not tc.force:
-        raise UserError(f"{out} is not empty and holds no run; choose another --out or pass --force")
-
-
-def train_vlm(tc: TrainConfig) -> Path:
-    mc = model_config(tc)
+def vlm_data(tc: TrainConfig, mc: ModelConfig, stored: dict | None) -> TaskData:
+    """The digits task for ``train`` (its ordinary loop: checkpoints, resume, signals, torchrun)."""
     if not mc.image_size:
         raise UserError(f"--data {VLM_DATA} needs a model with images: --preset vlm (or --set image_size=8)")
-    if tc.parallel or tc.grad_accum != 1 or tc.expert_parallel != 1 or tc.dtype == "bf16":
-        raise UserError(f"--data {VLM_DATA} trains on one process in fp32 (no --parallel, --grad-accum, bf16)")
-    out = Path(tc.out) if tc.out else default_out(tc, mc)
-    dev = ck.resolve_device(tc.device)
     digits = load_digits()
+    if stored is not None:
+        check_record(stored.get("data"), digits)
     tok = build_tokenizer()
     if tok.get_vocab_size() > mc.vocab_size:
         raise UserError(f"the digits vocabulary ({tok.get_vocab_size()}) exceeds the model's vocab_size")
-    with RunLock(out):
-        _check_out(tc, out)
-        if tc.force:
-            ck.remove_run(out)
-        save_tokenizer(tok, out / "tokenizer.json")
-        ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
-                                            "model": mc.to_dict(), "train": tc.to_dict(), "data": digits.record()})
-        torch.manual_seed(tc.seed)
-        model = build_model(mc).to(dev)
-        opt = _optimizer(model, tc)
-        held_out = eval_examples(digits, N_EVAL, mc.n_patches)
-        _loop(tc, model, opt, digits, held_out[:N_EVAL_DURING], out, dev)
-        final = evaluate_vlm(model, digits, held_out, dev)
-        if not math.isfinite(final["val_loss"]):
-            raise UserError(f"final validation loss is {final['val_loss']}; the run diverged")
-        ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
-    return out
+    held_out = eval_examples(digits, N_EVAL, mc.n_patches)
 
+    def validate(model) -> dict[str, float]:
+        v = evaluate_vlm(model, digits, held_out[:N_EVAL_DURING], generate=False)
+        return {k if k.startswith("val_") else f"val_{k}": x for k, x in v.items()}
 
-def _loop(tc: TrainConfig, model, opt, digits: Digits, val: list[Example], out: Path, dev) -> None:
-    total, concept = tc.total_steps, model.cfg.is_concept
-    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
-    eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
-    model.train()
-    bar = tqdm(total=total, desc=out.name, unit="step", disable=not tc.progress, dynamic_ncols=True, mininterval=1.0)
-    with open(out / "metrics.jsonl", "w") as log:
-        for step in range(total):
-            t0 = time.perf_counter()
-            factor = lr_factor(step, total, warmup, tc.min_lr_ratio)
-            for g in opt.param_groups:
-                g["lr"] = tc.lr * g["lr_mult"] * factor
-            b = training_batch(digits, tc.seed, step, tc.batch_size, tc.seq_len, model.cfg.n_patches)
-            kw = {"boundary_noise": boundary_uniforms(tc.seed, step, tuple(b.ids.shape)).to(dev)} if concept else {}
-            res = model(b.ids.to(dev), labels=b.labels.to(dev), pixel_values=b.pixel_values.to(dev), **kw)
-            opt.zero_grad(set_to_none=True)
-            res.loss.backward()
-            gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-            loss = float(res.loss.detach())
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                raise UserError(f"training diverged at step {step + 1}; lower --lr")
-            opt.step()
-            row = {"step": step + 1, "loss": loss, "lr": tc.lr * factor, "grad_norm": gnorm,
-                   "tokens": (step + 1) * b.ids.numel(),
-                   **{k: float(v.detach()) if torch.is_tensor(v) else float(v)
-                      for k, v in res.aux.items() if k != "boundary_prob"}}
-            row["tokens_per_s"] = b.ids.numel() / (time.perf_counter() - t0)
-            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == total):
-                v = evaluate_vlm(model, digits, val, dev, generate=False)
-                row.update({f"val_{k}" if not k.startswith("val_") else k: x for k, x in v.items()})
-                model.train()
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", comp=f"{row['compression']:.2f}", refresh=False)
-    bar.close()
-    ck.save_checkpoint(out, model, opt, {"step": total, "data_position": {"step": total}})
+    note = (f"data {VLM_DATA}: {len(digits.train_idx)} training / {len(digits.val_idx)} held-out images; "
+            f"final evaluation on {N_EVAL} held-out examples")
+    return TaskData(tok, DigitsSampler(digits, tc.seed, tc.batch_size, tc.seq_len, mc.n_patches), digits.record(),
+                    byte_lengths(tok, mc.vocab_size), validate, lambda model: evaluate_vlm(model, digits, held_out),
+                    note)
 
 
 @torch.no_grad()
