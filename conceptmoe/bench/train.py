@@ -21,8 +21,20 @@ from ..model.lm import build_model
 from ..model.match import match_config
 
 
+def exact_boundaries(B: int, T: int, ratio: float, g: torch.Generator) -> torch.Tensor:
+    """(B, T) bool with round(T / R) boundaries per row at random positions, position 0 included."""
+    n = max(1, round(T / ratio))
+    b = torch.zeros(B, T, dtype=torch.bool)
+    for r in range(B):
+        b[r, 0] = True
+        b[r, 1 + torch.randperm(T - 1, generator=g)[:n - 1]] = True
+    return b
+
+
 def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
-    kwargs = {"boundary_noise": u} if model.cfg.is_concept else {}
+    kwargs = {}
+    if model.cfg.is_concept:  # timed at exactly the target compression (the router still runs)
+        kwargs = {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
     t0 = time.perf_counter()
     out = model(x, labels=x, **kwargs)
     t1 = time.perf_counter()
@@ -34,8 +46,12 @@ def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
 
 def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
                     seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
-                    seed: int = 0) -> dict:
-    """Per sequence length and model: median forward / backward seconds and tokens/s."""
+                    seed: int = 0, exact: bool = True) -> dict:
+    """Per sequence length and model: median forward / backward seconds and tokens/s.
+
+    ``exact``: ConceptMoEs take exactly round(T/R) boundaries per row (random positions), so the
+    comparison is at the target compression; else the boundaries come from the untrained router
+    with boundary noise (compression reported either way)."""
     base = ModelConfig.from_preset(preset, kind="moe")
     cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
     torch.manual_seed(seed)
@@ -46,12 +62,14 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
         g = torch.Generator().manual_seed(seed + T)
         x = torch.randint(0, base.vocab_size, (B, T), generator=g)
         u = torch.rand(B, T, generator=g)
-        for m in models.values():  # warm-up
-            _step(m, x, u)
+        inputs = {name: (exact_boundaries(B, T, m.cfg.compression_ratio, g) if exact and m.cfg.is_concept else u)
+                  for name, m in models.items()}
+        for name, m in models.items():  # warm-up
+            _step(m, x, inputs[name])
         times: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
         for _ in range(repeats):
             for name, m in models.items():
-                times[name].append(_step(m, x, u))
+                times[name].append(_step(m, x, inputs[name]))
         base_tps = None
         for name, t in times.items():
             fwd = statistics.median(a for a, _ in t)
@@ -59,15 +77,26 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
             tps = B * T / (fwd + bwd)
             base_tps = base_tps or tps
             rows.append({"model": name, "seq_len": T, "batch": B, "forward_s": fwd, "backward_s": bwd,
-                         "tokens_per_s": tps, "ratio_vs_moe": tps / base_tps})
-    return {"preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
+                         "tokens_per_s": tps, "ratio_vs_moe": tps / base_tps,
+                         "compression": _compression(models[name], x, inputs[name])})
+    return {"preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "exact_compression": exact,
+            "rows": rows,
             "models": {n: cfg.name for n, cfg in cfgs}}
+
+
+@torch.no_grad()
+def _compression(model, x: torch.Tensor, u: torch.Tensor) -> float:
+    if not model.cfg.is_concept:
+        return 1.0
+    b = u if u.dtype == torch.bool else model(x, boundary_noise=u).boundaries
+    return b.numel() / int(b.sum())
 
 
 def format_table(res: dict) -> str:
     lines = [f"training step, preset {res['preset']}, {res['threads']} threads, median of {res['repeats']}",
-             f"{'model':<12}{'T':>6}{'B':>4}{'fwd (s)':>10}{'bwd (s)':>10}{'tok/s':>9}{'vs MoE':>8}"]
+             f"{'model':<12}{'T':>6}{'B':>4}{'R':>6}{'fwd (s)':>10}{'bwd (s)':>10}{'tok/s':>9}{'vs MoE':>8}"]
     for r in res["rows"]:
-        lines.append(f"{r['model']:<12}{r['seq_len']:>6}{r['batch']:>4}{r['forward_s']:>10.3f}{r['backward_s']:>10.3f}"
+        lines.append(f"{r['model']:<12}{r['seq_len']:>6}{r['batch']:>4}{r['compression']:>6.2f}"
+                     f"{r['forward_s']:>10.3f}{r['backward_s']:>10.3f}"
                      f"{r['tokens_per_s']:>9.0f}{r['ratio_vs_moe']:>8.2f}")
     return "\n".join(lines)

@@ -116,6 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategies", type=_words, default=["topk"], help="topk,layers,loop (default topk)")
     p.add_argument("--seq-lens", type=_lengths, default=[256, 2048], help="sequence lengths (default 256,2048)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per step: batch = tokens / length (default 2048)")
+    p.add_argument("--router", action="store_true",
+                   help="let the untrained router choose the boundaries (default: exactly T/R per row)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats, median reported (default 5)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="also write train.json into this directory")
@@ -201,7 +203,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
-                          args.tokens, args.repeats)
+                          args.tokens, args.repeats, exact=not args.router)
     print(format_train_table(res))
     if args.out:
         out = Path(args.out)
