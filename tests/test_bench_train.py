@@ -15,7 +15,9 @@ def test_bench_train_rows_and_json(tmp_path, capsys):
     for r in res["rows"]:
         assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["batch"] * r["seq_len"] == 64
         if r["model"] == "MoE":
-            assert r["ratio_vs_moe"] == 1.0
+            assert r["ratio_vs_moe"] == 1.0 and r["compression"] == 1.0
+        else:  # timed at exactly round(T / R) boundaries per row
+            assert r["compression"] == r["seq_len"] / round(r["seq_len"] / 2)
     assert "vs MoE" in capsys.readouterr().out
 
 

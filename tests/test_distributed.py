@@ -118,6 +118,20 @@ def test_resume_with_another_world_size(corpus, single, tmp_path, first, then):
     _close(_losses(out), _losses(single["conceptmoe"]))
 
 
+def _children(pid: int) -> list[str]:
+    """Child process ids of ``pid`` (from /proc: no pgrep needed)."""
+    out = []
+    for stat in sorted(os.listdir("/proc")):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(stat)
+    return out
+
+
 def test_a_killed_worker_ends_the_job(corpus, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(_torchrun_cmd(2, _args(corpus, out, "moe", 100_000)), env=ENV,
@@ -126,7 +140,7 @@ def test_a_killed_worker_ends_the_job(corpus, tmp_path):
     while ck.latest_checkpoint(out) is None or len(ck.read_metrics(out)) < 7:
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = _children(proc.pid)
     assert len(workers) == 2, workers
     os.kill(int(workers[1]), signal.SIGKILL)
     t0 = time.time()
