@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,9 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
 
 
 def compare(cc: CompareConfig) -> Path:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("compare runs in one process; under torchrun, train each model with `conceptmoe train` "
+                        "(the same --seed, --data and --tokens) and compare the runs' eval.json")
     out = Path(cc.out)
     models = plan(cc)
     if cc.data == VLM_DATA:  # the image-text digits task: its own metrics and report
