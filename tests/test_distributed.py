@@ -80,15 +80,24 @@ def test_two_processes_equal_one(corpus, single, tmp_path, model, parallel):
 
 @pytest.mark.parametrize("model", ["conceptmoe", "moe"])
 def test_grad_accum_equals_one_batch(corpus, tmp_path, model):
-    # CE and the ratio loss (F measured over the whole batch first) accumulate exactly; the balance
-    # and z-loss statistics are per micro-batch (as in Megatron / torchtitan), so switch them off here.
-    exact = ["--set", "balance_loss_weight=0", "--set", "router_z_loss_weight=0"]
+    # CE accumulates exactly; the ratio, balance and z-loss statistics of the whole batch are
+    # summed first (collect_stats), so every loss term equals the one-batch run's.
     runs = {}
     for k in (1, 2):
         runs[k] = tmp_path / f"k{k}"
-        res = run_cli(*_args(corpus, runs[k], model, STEPS, "--grad-accum", str(k), *exact))
+        res = run_cli(*_args(corpus, runs[k], model, STEPS, "--grad-accum", str(k)))
         assert res.returncode == 0, res.stderr
     _close(_losses(runs[2]), _losses(runs[1]))
+    rows = [ck.read_metrics(runs[k]) for k in (1, 2)]
+    for key in ("compression", "balance_loss", "ratio_loss"):
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-4, abs=1e-6), key
+
+
+def test_fsdp_with_grad_accum_equals_one_process(corpus, single, tmp_path):
+    out = tmp_path / "run"
+    res = _torchrun(2, _args(corpus, out, "conceptmoe", STEPS, "--parallel", "fsdp", "--grad-accum", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _close(_losses(out), _losses(single["conceptmoe"]))
 
 
 def _interrupt(cmd, out, rows=4, timeout=120):

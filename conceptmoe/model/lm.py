@@ -29,7 +29,7 @@ from .attention import Attention, RMSNorm, rope_tables
 from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
 from .moe import MoE, MoEAux
-from .stats import ChunkStats, Reduce, router_losses
+from .stats import ChunkStats, Reduce, router_losses, stats_vector
 from .vision import ImageEmbed, embed_inputs, image_mask, modality_stats
 
 
@@ -80,6 +80,9 @@ class LanguageModel(nn.Module):
         self.dispatch = "grouped"  # "grouped" | "split" | "loop" (reference), see moe.py
         # Sums a 1-D tensor over data-parallel processes; set by whoever parallelizes the model.
         self.stats_reduce: Reduce | None = None
+        # Sums of a whole accumulated batch (``collect_stats``), set by the trainer around micro-steps.
+        self.stats_totals: torch.Tensor | None = None
+        self._stats_capture: list | None = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -101,9 +104,27 @@ class LanguageModel(nn.Module):
 
     def _router_terms(self, moe_aux: list[MoEAux], chunk: ChunkStats | None = None):
         """(balance, z-loss, chunk (F, G, compression)): global over data-parallel processes
-        while training when ``stats_reduce`` is set (``stats.py``), else over this batch."""
-        reduce = self.stats_reduce if self.training else None
-        return router_losses([a.stats for a in moe_aux], reduce, chunk)
+        while training when ``stats_reduce`` is set (``stats.py``), else over this batch; over a
+        whole accumulated batch when the trainer has set ``stats_totals``."""
+        stats = [a.stats for a in moe_aux]
+        if self._stats_capture is not None:
+            self._stats_capture.append(stats_vector(stats, chunk))
+        if not self.training:
+            return router_losses(stats, None, chunk)
+        return router_losses(stats, self.stats_reduce, chunk, self.stats_totals)
+
+    @torch.no_grad()
+    def collect_stats(self, input_ids: torch.Tensor, **inputs) -> torch.Tensor:
+        """The ``stats_vector`` of a forward pass over this batch (no gradients): what gradient
+        accumulation sums over micro-batches before the real passes, so that the ratio, balance
+        and z-losses are those of the whole batch."""
+        self._stats_capture, totals = [], self.stats_totals
+        self.stats_totals = None
+        try:
+            self.forward(input_ids, **inputs)
+            return self._stats_capture[-1]
+        finally:
+            self._stats_capture, self.stats_totals = None, totals
 
     def _finish(self, x: torch.Tensor, labels: torch.Tensor | None, balance: torch.Tensor,
                 z_loss: torch.Tensor, extra: dict[str, torch.Tensor], extra_loss: torch.Tensor | None) -> ModelOutput:
@@ -187,24 +208,13 @@ class ConceptMoELM(LanguageModel):
                 aux.append(a)
         return c, aux
 
-    @torch.no_grad()
-    def boundary_counts(self, input_ids: torch.Tensor, boundary_noise: torch.Tensor | None = None,
-                        pixel_values: torch.Tensor | None = None) -> torch.Tensor:
-        """(boundaries, positions) the forward pass would take on this batch: encoder + router only."""
-        p = self.chunk(self.encode(input_ids, pixel_values)[0])
-        b = boundaries(p, self.training, self.cfg.boundary_noise, self.cfg.boundary_sharpness, boundary_noise)
-        return torch.stack([b.sum().float(), torch.tensor(float(b.numel()), device=b.device)])
-
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 boundaries_override: torch.Tensor | None = None,
                 boundary_noise: torch.Tensor | None = None,
-                boundary_fraction: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None) -> ModelOutput:
         """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
         drawn from the global RNG); the trainer passes them per global sequence, so that the
-        samples do not depend on how a batch is split over processes. ``boundary_fraction``:
-        the ratio loss's F measured over a larger batch than this one (``boundary_counts``; used
-        with gradient accumulation, where the loss is then linear in this batch's G).
+        samples do not depend on how a batch is split over processes.
         ``pixel_values`` (B, N, C, H, W): the images whose placeholders ``input_ids`` hold."""
         cfg = self.cfg
         h, moe_aux = self.encode(input_ids, pixel_values)  # (B, T, D)
@@ -226,8 +236,6 @@ class ConceptMoELM(LanguageModel):
         chunk = ChunkStats(p.float().sum(), b.sum(), torch.tensor(b.numel(), device=b.device))
         balance, z_loss, (F_, G, compression) = self._router_terms(moe_aux + aux_c + aux_d, chunk)
         R = cfg.compression_ratio
-        if boundary_fraction is not None:
-            F_ = boundary_fraction.to(G)
         rl = ratio_loss_fg(F_, G, R) if R > 1 else p.new_zeros(())
         img = image_mask(cfg, input_ids)
         if img is not None and cfg.image_compression_ratio is not None:

@@ -52,12 +52,8 @@ def _mean(local_sum: torch.Tensor, total_sum: torch.Tensor, total_n: torch.Tenso
     return scaled + (total_sum / n - scaled).detach()
 
 
-def router_losses(stats: list[RouterStats], reduce: Reduce | None = None,
-                  chunk: ChunkStats | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-    """(balance loss, z-loss) averaged over layers, and (F, G, compression) of the chunk module.
-
-    Balance per layer: E · Σ_e f_e · P_e (f_e: fraction of routed slots, P_e: mean probability).
-    """
+def stats_vector(stats: list[RouterStats], chunk: ChunkStats | None = None) -> torch.Tensor:
+    """Every statistic of one forward as one flat vector (no grad), ending with a 1 (its count)."""
     parts = []
     for s in stats:
         parts += [s.counts.float(), s.prob_sum.detach().float(), s.z_sum.detach().float().reshape(1),
@@ -66,8 +62,23 @@ def router_losses(stats: list[RouterStats], reduce: Reduce | None = None,
         parts += [torch.stack([chunk.p_sum.detach().float(), chunk.n_boundaries.float(),
                                chunk.n_positions.float()])]
     flat = torch.cat(parts)
-    ones = torch.ones(1, device=flat.device)
-    total = torch.cat([flat, ones]) if reduce is None else reduce(torch.cat([flat, ones]))
+    return torch.cat([flat, torch.ones(1, device=flat.device)])
+
+
+def router_losses(stats: list[RouterStats], reduce: Reduce | None = None, chunk: ChunkStats | None = None,
+                  totals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """(balance loss, z-loss) averaged over layers, and (F, G, compression) of the chunk module.
+
+    Balance per layer: E · Σ_e f_e · P_e (f_e: fraction of routed slots, P_e: mean probability).
+    ``totals``: the ``stats_vector`` sums of a larger batch this one is part of (gradient
+    accumulation: every micro-batch of every process, measured first without gradients); its
+    last entry, the number of parts, scales the gradients as the world size does.
+    """
+    if totals is not None:
+        total = totals
+    else:
+        flat = stats_vector(stats, chunk)
+        total = flat if reduce is None else reduce(flat)
     world = total[-1]
     balance, z, i = [], [], 0
     for s in stats:

@@ -149,8 +149,7 @@ def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str, experts: int =
         for blk in blocks(model):
             fully_shard(blk, mesh=d.mesh, mp_policy=mp)
         fully_shard(model, mesh=d.mesh, mp_policy=mp)
-        if hasattr(model, "boundary_counts"):  # called outside forward (gradient accumulation)
-            register_fsdp_forward_method(model, "boundary_counts")
+        register_fsdp_forward_method(model, "collect_stats")  # called outside forward (gradient accumulation)
         return model
     from torch.nn.parallel import DistributedDataParallel
 

@@ -1,7 +1,8 @@
 """The training loop: one optimizer step per global batch, on 1 or N processes alike.
 
 Every process draws the same *global* batch (B sequences) from the deterministic sampler and
-takes its slice: rows ``[rank·B/W, (rank+1)·B/W)``, cut into ``grad_accum`` micro-batches.
+takes its slice: rows ``[rank·B/W, (rank+1)·B/W)``, cut into ``grad_accum`` micro-batches (whose
+ratio/balance/z statistics are summed first, without gradients, so accumulation is exact).
 Boundary noise comes from uniforms drawn per global batch from a generator seeded by (seed,
 step), sliced like the rows, so each sequence gets the same samples whatever the world size
 and however it is resumed. Per-token losses are means over equal token counts, and the ratio,
@@ -124,30 +125,29 @@ def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor |
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16,
                               enabled=lp.dtype == "bf16" and lp.tc.parallel != "fsdp")
     parts = [slice(mine.start + k * micro, mine.start + (k + 1) * micro) for k in range(K)]
-    extra = {}
-    if concept and K > 1 and lp.raw.cfg.chunk_router != "fixed":
-        # The ratio loss is linear in G once F is fixed: measure F over the whole global batch
-        # first (encoder + router, no grad), so that accumulation equals one big batch.
-        images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
+
+    def inputs(part: slice) -> dict[str, torch.Tensor]:
+        noise = {"boundary_noise": u[part].to(dev)} if concept and u is not None else {}
+        return {**{name: t[part].to(dev) for name, t in batch.items()}, **noise}
+
+    if K > 1:
+        # The ratio, balance and z-losses are means over the whole batch: sum every micro-batch's
+        # statistics first (a forward without gradients), so that accumulation equals one batch.
         with autocast:
-            counts = sum(lp.model.boundary_counts(x[s].to(dev), u[s].to(dev), **{k: v[s].to(dev) for k, v in
-                                                                                 images.items()}) for s in parts)
-        n_b, n_pos = d.sum(counts)
-        extra["boundary_fraction"] = n_b / n_pos
+            totals = sum(lp.raw.collect_stats(**{k: v for k, v in inputs(s).items() if k != "labels"})
+                         for s in parts)
+        lp.raw.stats_totals = d.sum(totals)
     loss_sum, aux_sum = 0.0, {}
     for k, part in enumerate(parts):
-        inputs = {name: t[part].to(dev) for name, t in batch.items()}
-        kwargs = {"boundary_noise": u[part].to(dev), **extra} if concept and u is not None else {}
         with _sync(lp.model, k == K - 1), autocast:
-            res = lp.model(**inputs, **kwargs)
+            res = lp.model(**inputs(part))
         (res.loss / K).backward()
         loss_sum += float(res.loss.detach()) / K
         for name, v in res.aux.items():
             aux_sum[name] = aux_sum.get(name, 0.0) + (float(v.detach()) if torch.is_tensor(v) else float(v)) / K
     if getattr(lp.raw, "expert_parallel", None) is not None:
         expert_parallel.sync_grads(lp.raw, d.world)
-    if "boundary_fraction" in extra:  # realised compression of the whole batch, not a mean of parts
-        aux_sum["compression"] = float(1 / extra["boundary_fraction"])
+    lp.raw.stats_totals = None
     loss = d.mean(loss_sum)  # per-token terms are local means over equal counts: average them
     aux_sum["ce_loss"] = d.mean(aux_sum["ce_loss"])
     return loss, aux_sum
