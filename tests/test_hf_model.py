@@ -89,6 +89,12 @@ def test_logits_match_ours_on_a_left_padded_batch(exported, hf):
 
 
 @torch.no_grad()
+def test_out_of_vocabulary_padding_without_a_mask_is_padding(hf):
+    ids, mask = left_padded(PROMPTS, pad=320)
+    torch.testing.assert_close(hf(input_ids=ids).logits, hf(input_ids=ids, attention_mask=mask).logits)
+
+
+@torch.no_grad()
 def test_greedy_generate_equals_ours_token_for_token(exported, hf):
     ours = exported[0]
     ids, mask = left_padded(PROMPTS)

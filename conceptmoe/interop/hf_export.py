@@ -16,7 +16,8 @@ the whole method into the folder would fork it). With ``conceptmoe`` imported, `
 ``AutoModelForCausalLM`` load the directory without ``trust_remote_code`` too (``hf_register.py``).
 
 ``<|pad|>`` gets the id after the last tokenizer entry, which may lie outside the model's
-vocabulary: padding never reaches the embedding when ``attention_mask`` is given (``hf_model.py``).
+vocabulary: padding never reaches the embedding when ``attention_mask`` is given, and without a
+mask ids outside the vocabulary are taken to be padding (``hf_model.py``).
 Needs the optional ``transformers`` dependency (``pip install -e ".[hf]"``).
 """
 

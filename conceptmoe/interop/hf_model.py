@@ -136,6 +136,9 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, ConceptMoECache):
             raise TypeError(f"cache must be a ConceptMoECache, got {type(cache).__name__}")
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if attention_mask is None and bool((input_ids >= self.model.cfg.vocab_size).any()):
+            # only the export's <|pad|> lies outside the vocabulary: padded ids without a mask
+            attention_mask = (input_ids < self.model.cfg.vocab_size).long()
         if cache is not None and cache.state is not None:
             logits = self._forward_cached(input_ids, attention_mask, cache)
         else:
