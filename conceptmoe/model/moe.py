@@ -39,12 +39,26 @@ def _grouped_mm_fits(x: torch.Tensor, hidden: int) -> bool:
 
 @dataclass
 class MoEAux:
-    """Auxiliary router terms of one MoE layer (scalars)."""
+    """Router statistics of one MoE layer; its own balance and z-loss follow from them. (The
+    model's loss sums the statistics over all layers and processes instead: ``stats.py``.)"""
 
-    balance_loss: torch.Tensor
-    z_loss: torch.Tensor
-    expert_counts: torch.Tensor  # (E,) routed slots per expert (no grad)
-    stats: RouterStats  # the sums these are made of (global means under data parallelism)
+    stats: RouterStats
+
+    @property
+    def balance_loss(self) -> torch.Tensor:
+        """Switch load-balancing loss of this layer over its tokens: E · Σ_e f_e · P_e."""
+        s, E = self.stats, self.stats.counts.numel()
+        if s.n_tokens == 0:
+            return s.prob_sum.sum() * 0
+        f = s.counts.float() / (s.n_tokens * s.top_k)  # fraction of routed slots per expert
+        P = s.prob_sum / s.n_tokens
+        balance = E * (f * P).sum()
+        return balance
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """Router z-loss of this layer: mean logsumexp(logits)²."""
+        return self.stats.z_sum / max(self.stats.n_tokens, 1)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -105,17 +119,9 @@ class MoE(nn.Module):
         return logits, probs, w, idx
 
     def aux_terms(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> MoEAux:
-        E = self.n_experts
-        counts = torch.bincount(idx.flatten(), minlength=E)
-        z_all = torch.logsumexp(logits, dim=-1).pow(2)
-        stats = RouterStats(probs.sum(0), z_all.sum(), counts.detach(), idx.shape[0], self.top_k)
-        if idx.shape[0] == 0:
-            zero = logits.sum() * 0
-            return MoEAux(zero, zero, counts, stats)
-        f = counts.float() / idx.numel()  # fraction of routed slots per expert
-        P = probs.mean(0)
-        balance = E * (f * P).sum()
-        return MoEAux(balance, z_all.mean(), counts.detach(), stats)
+        counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
+        z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
+        return MoEAux(RouterStats(probs.sum(0), z_sum, counts.detach(), idx.shape[0], self.top_k))
 
     # ----- expert compute -----
     def _experts_loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
