@@ -53,16 +53,18 @@ def _mean(local_sum: torch.Tensor, total_sum: torch.Tensor, total_n: torch.Tenso
 
 
 def stats_vector(stats: list[RouterStats], chunk: ChunkStats | None = None) -> torch.Tensor:
-    """Every statistic of one forward as one flat vector (no grad), ending with a 1 (its count)."""
+    """Every statistic of one forward as one flat vector (no grad): per layer counts, Σ probs,
+    Σ z; then the chunk's Σ p, boundaries, positions; then the layers' token counts and a 1 (the
+    number of parts summed: processes x micro-batches)."""
     parts = []
     for s in stats:
-        parts += [s.counts.float(), s.prob_sum.detach().float(), s.z_sum.detach().float().reshape(1),
-                  torch.tensor([float(s.n_tokens)], device=s.counts.device)]
+        parts += [s.counts.float(), s.prob_sum.detach().float(), s.z_sum.detach().float().reshape(1)]
     if chunk is not None:
         parts += [torch.stack([chunk.p_sum.detach().float(), chunk.n_boundaries.float(),
                                chunk.n_positions.float()])]
-    flat = torch.cat(parts)
-    return torch.cat([flat, torch.ones(1, device=flat.device)])
+    tail = [float(s.n_tokens) for s in stats] + [1.0]  # host ints: one transfer, not one per layer
+    parts.append(torch.tensor(tail, device=parts[0].device))
+    return torch.cat(parts)
 
 
 def router_losses(stats: list[RouterStats], reduce: Reduce | None = None, chunk: ChunkStats | None = None,
@@ -80,11 +82,12 @@ def router_losses(stats: list[RouterStats], reduce: Reduce | None = None, chunk:
         flat = stats_vector(stats, chunk)
         total = flat if reduce is None else reduce(flat)
     world = total[-1]
+    ns = total[-1 - len(stats):-1]  # tokens per layer
     balance, z, i = [], [], 0
-    for s in stats:
+    for s, n in zip(stats, ns):
         E = s.counts.numel()
-        counts, prob_sum, z_sum, n = total[i:i + E], total[i + E:i + 2 * E], total[i + 2 * E], total[i + 2 * E + 1]
-        i += 2 * E + 2
+        counts, prob_sum, z_sum = total[i:i + E], total[i + E:i + 2 * E], total[i + 2 * E]
+        i += 2 * E + 1
         f = counts / (n * s.top_k).clamp_min(1)
         balance.append(E * (f * _mean(s.prob_sum.float(), prob_sum, n, world)).sum())
         z.append(_mean(s.z_sum.float(), z_sum, n, world))
