@@ -92,15 +92,14 @@ def load_corpus(data: str | Path | None = None, legacy_split: bool = False) -> C
     return Corpus(str(Path(data).resolve()), train, val)
 
 
-def check_record(stored: dict | None, corpus: Corpus) -> None:
-    """A one-line error when the corpus is not the one a run was made with."""
+def check_record(stored: dict | None, now: dict) -> None:
+    """A one-line error when the data's record (``record()``) is not the one a run was made with."""
     if not stored:
         return  # runs made before records were kept
-    now = corpus.record()
     if stored.get("sha256") != now["sha256"]:
-        raise UserError(f"data changed since the run started: {stored.get('source')} now holds "
-                        f"{now['chars']} characters in {now['train_documents'] + now['val_documents']} "
-                        f"pieces (fingerprint differs); restore it or start a new run")
+        raise UserError(f"data changed since the run started: {stored.get('source')} no longer matches the "
+                        f"recorded fingerprint ({str(stored.get('sha256'))[:12]}..., now {now['sha256'][:12]}...); "
+                        f"restore it or start a new run")
 
 
 def read_documents(data: str | Path) -> list[Document]:

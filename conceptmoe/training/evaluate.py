@@ -95,7 +95,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
     if data is None:
         record = run_cfg.get("data")
         corpus = prep or load_corpus(train_cfg.get("data"), legacy_split=record is None)
-        check_record(record, corpus)
+        check_record(record, corpus.record())
         texts = None if prep else [d.text for d in corpus.val]
         if max_tokens is None:
             max_tokens = train_cfg.get("val_tokens")

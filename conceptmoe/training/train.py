@@ -101,15 +101,16 @@ def _text_data(tc: TrainConfig, mc: ModelConfig, out: Path, stored: dict | None,
     """Plain text (file, folder, .jsonl, the default corpus) or `conceptmoe prepare` shards."""
     prep = open_prepared(tc.data) if is_prepared(tc.data) else None
     corpus = prep or load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
+    record = corpus.record()  # fingerprints all the text once
     if stored is not None:
-        check_record(stored.get("data"), corpus)
+        check_record(stored.get("data"), record)
     tok = Tokenizer.from_str(d.run_on_main(lambda: (
         prep.tokenizer(tc.tokenizer, mc.vocab_size) if prep
         else _tokenizer(tc, mc, out, [t.text for t in corpus.train])).to_str()))
     train_ids = prep.train_tokens if prep else encode_documents(tok, [t.text for t in corpus.train], DOC_SEP)
     val_ids = prep.val_tokens if prep else encode_documents(tok, [t.text for t in corpus.val], DOC_SEP)
     sampler = (ShardSampler if prep else BatchSampler)(train_ids, tc.seq_len, tc.batch_size, tc.seed)
-    record = {**corpus.record(), "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
+    record = {**record, "train_tokens": len(train_ids), "val_tokens": len(val_ids)}
     byte_len = byte_lengths(tok, mc.vocab_size)
 
     def validate(model) -> dict[str, float]:

@@ -76,7 +76,7 @@ def vlm_data(tc: TrainConfig, mc: ModelConfig, stored: dict | None) -> TaskData:
         raise UserError(f"--data {VLM_DATA} needs a model with images: --preset vlm (or --set image_size=8)")
     digits = load_digits()
     if stored is not None:
-        check_record(stored.get("data"), digits)
+        check_record(stored.get("data"), digits.record())
     tok = build_tokenizer()
     if tok.get_vocab_size() > mc.vocab_size:
         raise UserError(f"the digits vocabulary ({tok.get_vocab_size()}) exceeds the model's vocab_size")
