@@ -182,28 +182,28 @@ def _by_id(sd: dict, names: list[str]) -> dict:
 
 def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist, plain: Callable[[], nn.Module]) -> None:
     """Write a checkpoint (rank 0) of a model trained in any mode; every rank must call it."""
-    if getattr(model, "expert_parallel", None) is not None:
-        msd, osd = ep.full_state(model, opt, param_names(opt, model))
-        if d.main:
-            shadow = plain()
-            shadow.load_state_dict(msd)
-            ck.save_checkpoint(out, shadow, opt, state, optimizer_state=osd)
-        d.barrier()
-        return
-    if not is_sharded(model):
-        if d.main:
+    if getattr(model, "expert_parallel", None) is None and not is_sharded(model):
+        if d.main:  # one process, or DDP: rank 0 holds the whole model and optimizer
             ck.save_checkpoint(out, unwrap(model), opt, state)
         d.barrier()
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = get_model_state_dict(model, options=options)
-    osd = get_optimizer_state_dict(model, opt, options=options)
-    if d.main:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd = get_model_state_dict(model, options=options)  # (empty dicts on ranks other than 0)
+        osd = get_optimizer_state_dict(model, opt, options=options)
+        osd = _by_id(osd, param_names(opt, model)) if d.main else osd
+    else:
+        msd, osd = ep.full_state(model, opt, param_names(opt, model))
+    if d.main:  # the gathered state goes through a plain model, in the single-process format
         shadow = plain()
         shadow.load_state_dict(msd)
-        ck.save_checkpoint(out, shadow, opt, state, optimizer_state=_by_id(osd, param_names(opt, model)))
+        ck.save_checkpoint(out, shadow, opt, state, optimizer_state=osd)
     d.barrier()
 
 
