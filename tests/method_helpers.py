@@ -99,3 +99,12 @@ def router_grad(m, loss: torch.Tensor) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def right_padded(lens: list[int], seed: int) -> torch.Tensor:
+    """Random token ids (B, max(lens)) with row b's real tokens in [0, lens[b]) and zeros after."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 256, (len(lens), max(lens)), generator=g)
+    for i, n in enumerate(lens):
+        ids[i, n:] = 0
+    return ids

@@ -13,23 +13,15 @@ import pytest
 import torch
 
 from conceptmoe.inference import decode_step, prefill
-from method_helpers import trained_like
+from method_helpers import right_padded, trained_like
 
 LENS = [5, 17, 9, 30]
 N_NEW = 40
 MARGIN = 1e-5
 
 
-def _right_padded(lens, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 256, (len(lens), max(lens)), generator=g)
-    for i, n in enumerate(lens):
-        ids[i, n:] = 0
-    return ids
-
-
 def _decode(model, seed=1, n_new=N_NEW):
-    ids = _right_padded(LENS, seed)
+    ids = right_padded(LENS, seed)
     out, state = prefill(model, ids, torch.tensor(LENS), extra_capacity=n_new)
     seqs = [ids[i, :n].tolist() for i, n in enumerate(LENS)]
     logits = [out.logits]
@@ -66,7 +58,7 @@ def test_trained_like_cached_steps_match_full_forward(overrides):
 def test_joint_projections_matter_in_the_trained_like_model():
     """Sanity for the test above: with these weights, z in the decoder's Q/K/V moves the logits."""
     model = trained_like(seed=0).eval()
-    ids = _right_padded([24], seed=3)
+    ids = right_padded([24], seed=3)
     with torch.no_grad():
         with_joint = model(ids).logits
         for blk in model.decoder:

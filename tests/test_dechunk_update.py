@@ -11,7 +11,7 @@ import torch
 from conceptmoe import ModelConfig, build_model, count_flops
 from conceptmoe.inference import decode_step, prefill
 from conceptmoe.model.config import parse_overrides
-from method_helpers import trained_like
+from method_helpers import right_padded, trained_like
 
 LENS = [5, 17, 9, 30]
 N_NEW = 30
@@ -44,14 +44,6 @@ def test_update_at_ratio_one_is_the_moe_of_the_same_blocks(pooling):
         assert (cm(ids).logits - want.logits).abs().max() > 1e-2
 
 
-def _right_padded(lens, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 256, (len(lens), max(lens)), generator=g)
-    for i, n in enumerate(lens):
-        ids[i, n:] = 0
-    return ids
-
-
 @pytest.mark.parametrize("overrides", [
     {},
     {"concept_pooling": "mean", "concept_loops": 2},
@@ -60,7 +52,7 @@ def _right_padded(lens, seed):
 ])
 def test_update_wiring_cached_steps_match_full_forward(overrides):
     model = trained_like(seed=0, dechunk_source="update", **overrides).eval()
-    ids = _right_padded(LENS, 1)
+    ids = right_padded(LENS, 1)
     g = torch.Generator().manual_seed(101)
     with torch.no_grad():
         out, state = prefill(model, ids, torch.tensor(LENS), extra_capacity=N_NEW)
@@ -82,7 +74,7 @@ def test_update_wiring_cached_steps_match_full_forward(overrides):
 
 def test_update_and_output_differ_when_trained_like():
     """The two wirings are different functions (so the cached test above can tell them apart)."""
-    ids = _right_padded([24], 3)
+    ids = right_padded([24], 3)
     with torch.no_grad():
         a = trained_like(seed=0, dechunk_source="update").eval()(ids).logits
         b = trained_like(seed=0).eval()(ids).logits
