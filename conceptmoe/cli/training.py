@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..model.config import parse_overrides
 from ..training.boundaries import find_boundaries, render_html, render_terminal
-from ..training.compare import CompareConfig, compare
+from ..training.compare import CompareConfig, compare, load_variants
 from ..training.config import TrainConfig, resolve_train_config
 from ..training.data import read_text_file
 from ..training.evaluate import evaluate
@@ -192,6 +192,10 @@ def _register_compare(sub) -> None:
     p.add_argument("--tokens", type=int, help="training tokens per model (default 2M)")
     p.add_argument("--ablations", action="store_true",
                    help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
+    p.add_argument("--variants", metavar="FILE",
+                   help='JSON object of extra ConceptMoE variants, label -> {"strategy", "ratio", "set": {ModelConfig '
+                        'overrides}, "chunk_lr_mult", "seeds": [subset of --seeds]}, e.g. '
+                        '{"split2": {"set": {"n_encoder_layers": 2, "n_decoder_layers": 2}, "seeds": [0]}}')
     p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
     p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
     p.add_argument("--init", metavar="MOE_RUN",
@@ -213,6 +217,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
              if getattr(args, k) is not None}
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
+    if args.variants is not None:
+        given["variants"] = load_variants(args.variants)
     out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force))
     print((out / "report.md").read_text())
     extra = " and curves.png" if (out / "curves.png").is_file() else ""  # vlm-digits: no curves

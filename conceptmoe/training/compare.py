@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from . import checkpoint as ck
-from .config import MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data
+from .config import MAX_RATIO, MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data
 from .data import load_corpus
 from .lock import RunLock, holds_only_lock
 from .shards import is_prepared, open_prepared
@@ -56,6 +57,7 @@ class CompareConfig:
     lr: float = 2e-3
     device: str = "auto"
     overrides: dict[str, Any] = field(default_factory=dict)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
     force: bool = False
 
     def __post_init__(self) -> None:
@@ -70,11 +72,57 @@ class CompareConfig:
             raise UserError("--tokens must be positive")
         self.out = self.out or f"runs/compare-{self.preset}"
         self.data = resolve_data(self.data)
+        for label, spec in self.variants.items():
+            _check_variant(label, spec, self.seeds)
+
+    def seeds_for(self, label: str) -> list[int]:
+        """The seeds ``label`` is trained with: a variant may name a subset of ``seeds``."""
+        return list(self.variants.get(label, {}).get("seeds", self.seeds))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("force")
         return d
+
+
+VARIANT_KEYS = ("strategy", "ratio", "set", "chunk_lr_mult", "seeds")
+
+
+def load_variants(path: str) -> dict[str, dict[str, Any]]:
+    """Read a ``--variants`` file: a JSON object ``{label: {strategy, ratio, set, chunk_lr_mult, seeds}}``."""
+    try:
+        variants = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--variants {path}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--variants {path}: not valid JSON ({e})") from None
+    if not isinstance(variants, dict) or not variants:
+        raise UserError(f"--variants {path}: expected a non-empty JSON object of label -> settings")
+    return variants
+
+
+def _check_variant(label: str, spec: Any, seeds: list[int]) -> None:
+    where = f"variant {label!r}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", label) or label == "moe":
+        raise UserError(f"{where}: a label is letters, digits, '.', '_', '+', '-' (and not 'moe')")
+    if not isinstance(spec, dict):
+        raise UserError(f"{where}: expected an object with keys among {', '.join(VARIANT_KEYS)}")
+    unknown = sorted(set(spec) - set(VARIANT_KEYS))
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(VARIANT_KEYS)}")
+    if spec.get("strategy", "topk") not in STRATEGIES:
+        raise UserError(f"{where}: strategy must be one of {', '.join(STRATEGIES)}")
+    ratio = spec.get("ratio", 2.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 1 < ratio <= MAX_RATIO:
+        raise UserError(f"{where}: ratio must be a number in (1, {MAX_RATIO}]")
+    if not isinstance(spec.get("set", {}), dict):
+        raise UserError(f"{where}: set must be an object of ModelConfig fields")
+    mult = spec.get("chunk_lr_mult", 1.0)
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or not 0 <= mult < float("inf"):
+        raise UserError(f"{where}: chunk_lr_mult must be a number >= 0")
+    sub = spec.get("seeds", seeds)
+    if not isinstance(sub, list) or not sub or any(s not in seeds for s in sub):
+        raise UserError(f"{where}: seeds must be a non-empty subset of --seeds {seeds}")
 
 
 def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
@@ -92,6 +140,13 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
         for suffix, over in ABLATIONS.items():
             tc = dataclasses.replace(first, overrides={**cc.overrides, **over})
             models.append((f"{label}-{suffix}", tc))
+    for label, spec in cc.variants.items():
+        if label in dict(models):
+            raise UserError(f"variant {label!r}: the comparison already has a model with that label")
+        tc = TrainConfig(strategy=spec.get("strategy", "topk"), ratio=float(spec.get("ratio", 2.0)),
+                         chunk_lr_mult=float(spec.get("chunk_lr_mult", 1.0)),
+                         **{**common, "overrides": {**cc.overrides, **spec.get("set", {})}})
+        models.append((label, tc))
     return models
 
 
@@ -117,7 +172,7 @@ def compare(cc: CompareConfig) -> Path:
             vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
             save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
         for label, tc in models:
-            for seed in cc.seeds:
+            for seed in cc.seeds_for(label):
                 run = out / label / f"seed{seed}"
                 if (run / "eval.json").is_file():
                     continue  # finished earlier with the same settings (checked by _claim)
@@ -128,6 +183,7 @@ def compare(cc: CompareConfig) -> Path:
         ck.write_json(out / "report.json", report)
         (out / "report.md").write_text(render_markdown(report))
         plot_curves(report, out / "curves.png")
+        plot_p_histograms(report, out / "p_hist.png")
     return out
 
 
@@ -154,7 +210,7 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
     stale_tok = old.get("tokenizer") not in (None, tok_key)
     conflicts = []
     for label, tc in models:
-        for seed in cc.seeds:
+        for seed in cc.seeds_for(label):
             run = out / label / f"seed{seed}"
             if not ck.is_run(run):
                 continue
@@ -190,7 +246,7 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
     rows = []
     for label, tc in models:
         mc = model_config(tc)
-        runs = [Path(cc.out) / label / f"seed{s}" for s in cc.seeds]
+        runs = [Path(cc.out) / label / f"seed{s}" for s in cc.seeds_for(label)]
         evals = [json.loads((r / "eval.json").read_text()) for r in runs]
         metrics = [ck.read_metrics(r) for r in runs]
         bpb, bpb_sd = _mean_std([e["val_bpb"] for e in evals])
@@ -200,6 +256,8 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
         fl = count_flops(mc, cc.seq_len)
         fl_real = count_flops(mc, cc.seq_len, compression=max(comp, 1.0))  # concept layers at L/realised
         curve = _mean_curve(metrics)
+        curve_time = _mean_time_curve(metrics)
+        p_hist = _p_histogram(runs[0], evals[0]) if mc.is_concept else None
         rows.append({"label": label, "name": mc.name, "strategy": tc.strategy, "ratio": tc.ratio if mc.is_concept else 1.0,
                      "val_bpb": bpb, "val_bpb_std": bpb_sd, "val_bpb_seeds": [e["val_bpb"] for e in evals],
                      "val_loss": statistics.fmean(e["val_loss"] for e in evals), "compression": comp,
@@ -207,8 +265,31 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
                      "activated_flops_per_token_realised": fl_real["activated_flops_per_token"],
                      "total_params": fl["total_params"],
                      "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
-                     "train_tokens_per_s": tps, "curve": curve, "config": mc.to_dict()})
+                     "train_tokens_per_s": tps, "curve": curve, "curve_seconds": curve_time,
+                     "seeds": cc.seeds_for(label), "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
+                     **(_decisiveness(p_hist) if p_hist else {})})
     return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "models": rows, "verdict": verdict(rows)}
+
+
+HIST_TOKENS = 65_536  # held-out tokens for the boundary-probability histogram of runs that lack one
+
+
+def _p_histogram(run: Path, ev: dict[str, Any]) -> list[int]:
+    """The first seed's boundary-probability histogram on held-out text (from eval.json, or
+    computed on the first HIST_TOKENS held-out tokens for runs trained before it was recorded)."""
+    if "p_histogram" in ev:
+        return ev["p_histogram"]
+    from .evaluate import evaluate
+
+    return evaluate(run, max_tokens=HIST_TOKENS)["p_histogram"]
+
+
+def _decisiveness(hist: list[int]) -> dict[str, Any]:
+    """How far the router's p stays from the 0.5 threshold (bins of width 1/len(hist))."""
+    n, k = sum(hist), len(hist)
+    share = lambda lo, hi: sum(c for i, c in enumerate(hist) if lo <= i / k and (i + 1) / k <= hi) / max(n, 1)
+    return {"p_histogram": hist, "p_near_half": share(0.4, 0.6), "p_decisive": share(0.0, 0.1) + share(0.9, 1.0),
+            "p_above_half": share(0.5, 1.0)}
 
 
 def _mean_curve(metrics: list[list[dict]]) -> list[tuple[int, float]]:
@@ -216,6 +297,24 @@ def _mean_curve(metrics: list[list[dict]]) -> list[tuple[int, float]]:
     per_seed = [{m["tokens"]: m["val_bpb"] for m in ms if "val_bpb" in m} for ms in metrics]
     common = sorted(set.intersection(*(set(d) for d in per_seed))) if per_seed else []
     return [(t, statistics.fmean(d[t] for d in per_seed)) for t in common]
+
+
+def _train_seconds(ms: list[dict]) -> dict[int, float]:
+    """Training wall-clock (validation excluded) at each logged step: the sum of step times."""
+    seconds, total, prev = {}, 0.0, 0
+    for m in ms:
+        if "tokens_per_s" in m and m["tokens_per_s"] > 0:
+            total += (m["tokens"] - prev) / m["tokens_per_s"]
+            prev = m["tokens"]
+        if "val_bpb" in m:
+            seconds[m["tokens"]] = total
+    return seconds
+
+
+def _mean_time_curve(metrics: list[list[dict]]) -> list[tuple[float, float]]:
+    """(mean training seconds, mean val BPB over seeds) at each validation step all seeds share."""
+    times = [_train_seconds(ms) for ms in metrics]
+    return [(statistics.fmean(ts.get(t, 0.0) for ts in times), b) for t, b in _mean_curve(metrics)]
 
 
 def verdict(rows: list[dict]) -> list[str]:
@@ -242,17 +341,25 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"realised compression (what the model actually spent); attention-map FLOPs at "
             f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
             f"held-out text.\n\n")
-    table = ["| run | model | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
+    table = ["| run | model | seeds | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
              "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["models"]:
-        table.append(f"| {r['label']} | {r['name']} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
+        table.append(f"| {r['label']} | {r['name']} | {len(r.get('seeds', [0]))} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
                      f"| {r['val_loss']:.4f} | {r['compression']:.2f} | {r['activated_flops_per_token'] / 1e6:.2f} "
                      f"| {r['activated_flops_per_token_realised'] / 1e6:.2f} "
                      f"| {r['total_params'] / 1e6:.2f}M | {r['attention_map_flops_per_token'] / 1e6:.3f} "
                      f"| {r['train_tokens_per_s']:.0f} |")
     verdict_md = "\n".join(f"- {line}" for line in report["verdict"])
-    return head + "\n".join(table) + "\n\n## Verdict\n\n" + verdict_md + "\n\n![validation curves](curves.png)\n"
+    router = ["| run | p in [0.4, 0.6) | p < 0.1 or p >= 0.9 | p >= 0.5 |", "|---|---|---|---|"]
+    router += [f"| {r['label']} | {r['p_near_half']:.1%} | {r['p_decisive']:.1%} | {r['p_above_half']:.1%} |"
+               for r in report["models"] if "p_histogram" in r]
+    router_md = ("\n\n## Router decisiveness\n\nBoundary probability p on held-out text (first seed; "
+                 "a window's first position left out): the share near the 0.5 threshold, the share "
+                 "decided firmly, and the share that becomes a boundary.\n\n" + "\n".join(router)
+                 + "\n\n![boundary probability histograms](p_hist.png)" if len(router) > 2 else "")
+    return (head + "\n".join(table) + "\n\n## Verdict\n\n" + verdict_md + "\n\n![validation curves](curves.png)"
+            + router_md + "\n")
 
 
 def plot_curves(report: dict[str, Any], path: Path) -> None:
@@ -261,16 +368,50 @@ def plot_curves(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120, sharey=True)
     for r in report["models"]:
         if r["curve"]:
             t, b = zip(*r["curve"])
-            ax.plot([x / 1e6 for x in t], b, marker="o", ms=3, label=f"{r['label']} ({r['name']})")
+            label = f"{r['label']} ({r['name']}, {len(r.get('seeds', [0]))} seed(s))"
+            ax.plot([x / 1e6 for x in t], b, marker="o", ms=3, label=label)
+        if r.get("curve_seconds"):
+            sec, b = zip(*r["curve_seconds"])
+            ax_t.plot([x / 60 for x in sec], b, marker="o", ms=3)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation bits per byte (held-out slice)")
+    ax_t.set_xlabel("training wall-clock (minutes, validation excluded)")
     ax.set_title("MoE vs compute-matched ConceptMoE")
+    for a in (ax, ax_t):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_p_histograms(report: dict[str, Any], path: Path) -> None:
+    """Density of the boundary probability p per ConceptMoE (first seed, held-out text)."""
+    rows = [r for r in report["models"] if "p_histogram" in r]
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in rows:
+        hist = r["p_histogram"]
+        k, n = len(hist), max(sum(hist), 1)
+        ax.step([i / k for i in range(k + 1)], [c / n * k for c in hist] + [hist[-1] / n * k], where="post",
+                label=r["label"])
+    ax.axvline(0.5, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("boundary probability p (held-out text)")
+    ax.set_ylabel("density")
+    ax.set_yscale("log")
+    ax.set_title("How decisive is the chunk router?")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

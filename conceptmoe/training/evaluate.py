@@ -5,7 +5,8 @@
   ``val_loss`` = mean next-token cross-entropy (nats); ``val_bpb`` = summed NLL in bits divided
   by the UTF-8 bytes of the predicted tokens (exact for a byte-level BPE, see tokenizer.py);
   ``compression`` = tokens per concept over the evaluated windows (1.0 for a plain MoE);
-  ``tokens`` = predicted tokens.
+  ``tokens`` = predicted tokens; ``p_histogram`` (ConceptMoE) = counts of the router's boundary
+  probability in ``P_BINS`` equal bins over [0, 1] (a window's first position, p = 1, left out).
 - ``evaluate(run_dir, data=None)``: a trained run on its own held-out split, or on all the text
   under ``data`` (memory-mapped token shards when the run's data was made by ``conceptmoe prepare``).
 """
@@ -27,6 +28,7 @@ from .data import DOC_SEP, check_record, load_corpus, read_documents
 from .shards import is_prepared, open_prepared
 from .tokenizer import byte_lengths, encode_documents, sha256
 
+P_BINS = 20  # boundary-probability histogram bins over [0, 1] (ConceptMoE: how decisive the router is)
 EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise
 
 
@@ -56,6 +58,7 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
     was_training = model.training
     model.eval()
     nll, n_pred, n_bytes, n_tok, n_concepts = 0.0, 0, 0, 0, 0
+    p_hist = torch.zeros(P_BINS, dtype=torch.float64)
     spans = windows(len(ids), seq_len)
     full = [s for s in spans if s[1] - s[0] == seq_len]
     groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
@@ -72,9 +75,14 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
         n_bytes += int(byte_len[target.cpu().numpy()].sum())
         n_tok += x.numel()
         n_concepts += int(out.boundaries.sum()) if out.boundaries is not None else x.numel()
+        if out.chunks is not None:  # position 0 of a window is a boundary by definition (p = 1)
+            p_hist += torch.histc(out.chunks.p[:, 1:].double().cpu(), bins=P_BINS, min=0.0, max=1.0)
     model.train(was_training)
-    return {"val_loss": nll / n_pred, "val_bpb": nll / math.log(2) / max(n_bytes, 1),
-            "compression": n_tok / max(n_concepts, 1), "tokens": n_pred}
+    result = {"val_loss": nll / n_pred, "val_bpb": nll / math.log(2) / max(n_bytes, 1),
+              "compression": n_tok / max(n_concepts, 1), "tokens": n_pred}
+    if p_hist.sum() > 0:
+        result["p_histogram"] = [int(c) for c in p_hist.tolist()]
+    return result
 
 
 def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = "auto",

@@ -47,7 +47,7 @@ def compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
         model_config(tc)  # every model must build (and match) before anything is trained
     with RunLock(out):
         for label, tc in models:
-            for seed in cc.seeds:
+            for seed in cc.seeds_for(label):
                 run = out / label / f"seed{seed}"
                 want = dataclasses.replace(tc, seed=seed, out=str(run), force=True)
                 if _done(run, want):
@@ -68,8 +68,8 @@ def build_vlm_report(cc, models: list[tuple[str, TrainConfig]]) -> dict[str, Any
     rows = []
     for label, tc in models:
         mc = model_config(tc)
-        evals = [json.loads((Path(cc.out) / label / f"seed{s}" / "eval.json").read_text()) for s in cc.seeds]
-        metrics = [ck.read_metrics(Path(cc.out) / label / f"seed{s}") for s in cc.seeds]
+        evals = [json.loads((Path(cc.out) / label / f"seed{s}" / "eval.json").read_text()) for s in cc.seeds_for(label)]
+        metrics = [ck.read_metrics(Path(cc.out) / label / f"seed{s}") for s in cc.seeds_for(label)]
         row = {"label": label, "name": mc.name, "ratio": tc.ratio if mc.is_concept else 1.0}
         for m in METRICS:
             row[m], row[f"{m}_std"] = _mean_sd([e[m] for e in evals])
