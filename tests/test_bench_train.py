@@ -24,3 +24,21 @@ def test_bench_train_rows_and_json(tmp_path, capsys):
 def test_bench_train_matched_models():
     res = run_train_bench("tiny", (1.5,), ("layers",), (16,), 32, 1)
     assert res["models"]["layers-R1.5"].startswith("ConceptMoE-")
+
+
+def test_bench_train_profile_forward_and_backward(tmp_path, capsys):
+    assert main(["bench", "train", "--preset", "tiny", "--seq-lens", "32", "--tokens", "64", "--repeats", "1",
+                 "--profile", "40", "--out", str(tmp_path)]) == 0
+    prof = json.loads((tmp_path / "train.json").read_text())["profile"]
+    assert sorted(prof) == ["MoE@32", "topk-R2@32"]
+    for phases in prof.values():
+        assert sorted(phases) == ["backward", "forward"]
+        for ops in phases.values():
+            assert 4 <= len(ops) <= 40 and all(o["op"] and o["self_ms"] >= 0 and o["calls"] >= 1 for o in ops)
+            shares = [o["share"] for o in ops]
+            assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    # The backward of the MoE runs the attention backward kernel; its forward does not.
+    assert any("backward" in o["op"].lower() for o in prof["MoE@32"]["backward"])
+    assert not any("backward" in o["op"].lower() for o in prof["MoE@32"]["forward"])
+    assert "MoE@32 forward:" in capsys.readouterr().out
+    assert main(["bench", "train", "--preset", "tiny", "--profile", "-1"]) == 2

@@ -46,17 +46,19 @@ def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
 
 def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
                     seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
-                    seed: int = 0, exact: bool = True) -> dict:
+                    seed: int = 0, exact: bool = True, profile: int = 0) -> dict:
     """Per sequence length and model: median forward / backward seconds and tokens/s.
 
     ``exact``: ConceptMoEs take exactly round(T/R) boundaries per row (random positions), so the
     comparison is at the target compression; else the boundaries come from the untrained router
-    with boundary noise (compression reported either way)."""
+    with boundary noise (compression reported either way). ``profile`` > 0: also the top
+    ``profile`` operators by self CPU time of one forward and one backward per model and length
+    (torch.profiler), under ``profile`` in the result."""
     base = ModelConfig.from_preset(preset, kind="moe")
     cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
     torch.manual_seed(seed)
     models = {name: build_model(cfg).train() for name, cfg in cfgs}
-    rows = []
+    rows, profiles = [], {}
     for T in seq_lens:
         B = max(1, tokens // T)
         g = torch.Generator().manual_seed(seed + T)
@@ -79,9 +81,42 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
             rows.append({"model": name, "seq_len": T, "batch": B, "forward_s": fwd, "backward_s": bwd,
                          "tokens_per_s": tps, "ratio_vs_moe": tps / base_tps,
                          "compression": _compression(models[name], x, inputs[name])})
-    return {"preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "exact_compression": exact,
+        if profile:
+            for name, m in models.items():
+                profiles[f"{name}@{T}"] = profile_step(m, x, inputs[name], profile)
+    return {"profile": profiles, "preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "exact_compression": exact,
             "rows": rows,
             "models": {n: cfg.name for n, cfg in cfgs}}
+
+
+def profile_step(model, x: torch.Tensor, u: torch.Tensor, top: int = 12) -> dict[str, list[dict]]:
+    """Top ``top`` operators by self CPU time in one forward and, separately, one backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kwargs = {}
+    if model.cfg.is_concept:
+        kwargs = {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
+    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+        out = model(x, labels=x, **kwargs)
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return {"forward": _top_ops(fwd, top), "backward": _top_ops(bwd, top)}
+
+
+def _top_ops(prof, top: int) -> list[dict]:
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total,
+             "calls": e.count} for e in events[:top]]
+
+
+def format_profile(res: dict) -> str:
+    lines = []
+    for key, phases in res.get("profile", {}).items():
+        for phase, ops in phases.items():
+            lines.append(f"{key} {phase}: " + ", ".join(f"{o['op']} {o['share']:.0%}" for o in ops))
+    return "\n".join(lines)
 
 
 @torch.no_grad()

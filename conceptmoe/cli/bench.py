@@ -16,6 +16,7 @@ from ..bench.moe import ARCHS, TABLE_HEADER, TOLERANCE, require_transformers, wr
 from ..bench.moe import compare as compare_moe
 from ..bench.prepare import run_and_report as run_prepare_bench
 from ..bench.scan import run_and_report
+from ..bench.train import format_profile
 from ..bench.train import format_table as format_train_table
 from ..bench.train import run_train_bench
 from ..errors import UserError
@@ -120,6 +121,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="let the untrained router choose the boundaries (default: exactly T/R per row)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats, median reported (default 5)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one step per model and length (torch.profiler): the top N operators "
+                        "by self CPU time, forward and backward separately (default 0: off)")
     p.add_argument("--out", help="also write train.json into this directory")
     p.set_defaults(func=cmd_bench_train)
 
@@ -198,13 +202,15 @@ def cmd_bench_scan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
-    if args.tokens < 1 or args.repeats < 1 or args.threads < 0:
-        raise UserError("--tokens and --repeats must be >= 1 and --threads >= 0")
+    if args.tokens < 1 or args.repeats < 1 or args.threads < 0 or args.profile < 0:
+        raise UserError("--tokens and --repeats must be >= 1, --threads and --profile >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
-                          args.tokens, args.repeats, exact=not args.router)
+                          args.tokens, args.repeats, exact=not args.router, profile=args.profile)
     print(format_train_table(res))
+    if args.profile:
+        print(format_profile(res))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
