@@ -130,3 +130,18 @@ def test_moe_run_and_forced_overwrite(corpus, tmp_path):
     assert ev["compression"] == 1.0
     train(TrainConfig(**TINY, model="moe", data=str(corpus), out=str(out), max_steps=2, force=True))
     assert len(ck.read_metrics(out)) == 2
+
+
+def test_cli_default_is_the_compute_matched_conceptmoe():
+    from conceptmoe.cli import build_parser
+    from conceptmoe.cli.training import train_config_from_args
+    from conceptmoe.model.flops import count_flops
+
+    parse = lambda *a: train_config_from_args(build_parser().parse_args(["train", *a]))  # noqa: E731
+    tc, moe = parse(), parse("--model", "moe")
+    assert tc.strategy == "topk" and moe.strategy is None
+    spent = count_flops(model_config(tc))["activated_flops_per_token"]
+    assert spent / count_flops(model_config(moe))["activated_flops_per_token"] == pytest.approx(1, abs=0.03)
+    unmatched = parse("--strategy", "none")
+    assert unmatched.strategy is None and model_config(unmatched).name == "ConceptMoE-1L-top4-R2"
+    assert parse("--ratio", "1.5").strategy == "topk"

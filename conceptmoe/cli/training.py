@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..model.config import parse_overrides
 from ..training.boundaries import find_boundaries, render_html, render_terminal
 from ..training.compare import CompareConfig, compare, load_variants
-from ..training.config import TrainConfig, resolve_train_config
+from ..training.config import DEFAULT_STRATEGY, TrainConfig, resolve_train_config
 from ..training.data import read_text_file
 from ..training.evaluate import evaluate
 from ..training.train import train
@@ -56,11 +56,12 @@ def _register_train(sub) -> None:
     p = sub.add_parser("train", help="train a ConceptMoE or MoE language model",
                        description="Train a model into a run directory (config.json, model.safetensors, "
                                    "tokenizer.json, metrics.jsonl, checkpoints/). With no flags: the small "
-                                   "ConceptMoE, R=2, on Shakespeare.")
+                                   "ConceptMoE, R=2, compute-matched to the small MoE, on Shakespeare.")
     p.add_argument("--model", choices=("conceptmoe", "moe"), help="architecture (default conceptmoe)")
     p.add_argument("--ratio", type=finite_float, help="target compression R, tokens per concept (default 2)")
-    p.add_argument("--strategy", choices=("topk", "layers", "loop"),
-                   help="train the ConceptMoE compute-matched to the preset's MoE by this reinvestment")
+    p.add_argument("--strategy", choices=("topk", "layers", "loop", "none"),
+                   help=f"the ConceptMoE is compute-matched to the preset's MoE by this reinvestment (default "
+                        f"{DEFAULT_STRATEGY}); none: the preset's own ConceptMoE layout, not matched")
     _common_model_flags(p)
     p.add_argument("--out", help="run directory (default runs/<preset>-<model name>)")
     p.add_argument("--max-steps", type=int, help="optimizer steps")
@@ -96,6 +97,10 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise UserError(f"--init takes the model from the init run; leave out --{clash[0]}")
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
+    if given.get("strategy") == "none":
+        given["strategy"] = None
+    elif "strategy" not in given and not args.resume and "init" not in given and given.get("model") != "moe":
+        given["strategy"] = DEFAULT_STRATEGY  # a resumed run keeps what it was started with
     return resolve_train_config(given, args.resume, args.force)
 
 

@@ -24,6 +24,7 @@ from .vlm_data import VLM_DATA
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
 STRATEGIES = ("topk", "layers", "loop")
+DEFAULT_STRATEGY = "topk"  # what `conceptmoe train` matches a ConceptMoE by when --strategy is not given
 MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
