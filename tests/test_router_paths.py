@@ -77,3 +77,26 @@ def test_prefill_caches_the_key_of_the_last_real_token():
     wk = model.chunk.wk.weight.detach()
     want = torch.stack([h[i, n - 1] @ wk.T for i, n in enumerate(lengths.tolist())])
     torch.testing.assert_close(state.chunk.last_key, want.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_confidence_term_adds_4p1mp_and_pushes_p_from_the_threshold():
+    from conceptmoe.model.config import ModelConfig
+    from conceptmoe.model.lm import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset("tiny", kind="conceptmoe")
+    plain = build_model(cfg).eval()  # eval: deterministic boundaries, same decisions for both
+    conf = build_model(cfg.replace(router_confidence_weight=0.5)).eval()
+    conf.load_state_dict(plain.state_dict())
+    x = torch.randint(0, cfg.vocab_size, (2, 24))
+    out0, out1 = plain(x, labels=x), conf(x, labels=x)
+    q = out0.chunks.p[:, 1:]
+    assert torch.allclose(out1.loss - out0.loss, 0.5 * (4 * q * (1 - q)).mean(), atol=1e-6)
+    # Descending the term alone moves every p away from 0.5 (1 - cos is monotone in the router's output).
+    params = [p for n, p in conf.named_parameters() if n.startswith("chunk.")]
+    (4 * conf(x).chunks.p[:, 1:] * (1 - conf(x).chunks.p[:, 1:])).mean().backward()
+    spread = (conf(x).chunks.p[:, 1:] - 0.5).abs().mean().item()
+    with torch.no_grad():
+        for p in params:
+            p -= 0.05 * p.grad
+    assert (conf(x).chunks.p[:, 1:] - 0.5).abs().mean().item() > spread

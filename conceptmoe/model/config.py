@@ -65,6 +65,9 @@ class ModelConfig:
     boundary_noise: bool = True  # Bernoulli(sharpen(p)) boundaries while training
     boundary_sharpness: float = 6.0
     ratio_loss_weight: float = 0.03
+    # Weight of a confidence term, mean of 4·p·(1 - p) over positions after the first: 1 at
+    # p = 0.5, 0 at p in {0, 1}, so it pushes the router away from the threshold (0: off).
+    router_confidence_weight: float = 0.0
     concept_pooling: str = "boundary"  # "boundary": c_j = h at boundary; "mean": mean since last
     joint_decoding: bool = True
     joint_layers: int | None = None  # joint decoding in the last K decoder layers (None: all of them)
@@ -107,7 +110,7 @@ class ModelConfig:
             bad("n_shared_experts", "shared expert count and size must be >= 0")
         if self.qk_norm not in QK_NORMS:
             bad("qk_norm", f"must be one of {QK_NORMS}")
-        for name in ("balance_loss_weight", "router_z_loss_weight", "ratio_loss_weight"):
+        for name in ("balance_loss_weight", "router_z_loss_weight", "ratio_loss_weight", "router_confidence_weight"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
         if self.rope_theta <= 0 or self.norm_eps <= 0:

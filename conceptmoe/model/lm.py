@@ -243,8 +243,11 @@ class ConceptMoELM(LanguageModel):
         extra = {"ratio_loss": rl, "compression": compression, "boundary_prob": G.detach(),
                  **modality_stats(img, b)}
         use_ratio = cfg.chunk_router != "fixed"
-        out = self._finish(x, self._text_labels(labels, img), balance, z_loss, extra,
-                           cfg.ratio_loss_weight * rl if use_ratio else None)
+        router_loss = cfg.ratio_loss_weight * rl if use_ratio else None
+        if use_ratio and cfg.router_confidence_weight > 0 and p.shape[1] > 1:
+            q = p[:, 1:].float()  # position 0 is a boundary by definition
+            router_loss = router_loss + cfg.router_confidence_weight * (4 * q * (1 - q)).mean()
+        out = self._finish(x, self._text_labels(labels, img), balance, z_loss, extra, router_loss)
         out.boundaries, out.chunks = b, ch
         return out
 

@@ -27,7 +27,7 @@ STRATEGIES = ("topk", "layers", "loop")
 DEFAULT_STRATEGY = "topk"  # what `conceptmoe train` matches a ConceptMoE by when --strategy is not given
 MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
-CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight",
+CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight", "router_confidence_weight",
                 "concept_pooling", "joint_decoding")
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
