@@ -216,7 +216,7 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
                 continue
             stored = ck.read_run_config(run)
             want = _run_config(tc, seed, run, tok_path)
-            same = (stored["model"] == model_config(want).to_dict()
+            same = (ModelConfig.from_dict(stored["model"]).to_dict() == model_config(want).to_dict()
                     and _comparable(stored.get("train", {})) == _comparable(want.to_dict()))
             if stale_tok or not same:
                 conflicts.append(run)

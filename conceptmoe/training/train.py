@@ -65,7 +65,7 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
         stored = ck.read_run_config(out) if ck.is_run(out) else None
         if stored is None:
             raise UserError(f"--resume: {out} holds no run to resume")
-        diff = _diff(stored["model"], mc.to_dict())
+        diff = _diff(ModelConfig.from_dict(stored["model"]).to_dict(), mc.to_dict())  # fields added later: defaults
         if diff:
             raise UserError(f"--resume: {out} holds a run with a different model config (differs in: {', '.join(diff)})")
         old = stored.get("train", {})
