@@ -51,6 +51,45 @@ def main(dirs: list[str]) -> None:
         budgets[d.name] = _budget(report)
     (HERE / "report.json").write_text(json.dumps({"budgets": budgets}, indent=2, allow_nan=False) + "\n")
     _plot_gap(budgets, HERE / "gap.png")
+    (HERE / "tables.md").write_text(tables(budgets))
+
+
+def _seed0(m: dict, key: str = "val_bpb_seeds") -> float:
+    return m[key][m["seeds"].index(0)]
+
+
+def tables(budgets: dict) -> str:
+    """The study's tables in markdown: multi-seed rows per budget, then every variant at seed 0."""
+    out = ["## Multi-seed rows\n", "| budget | run | model | seeds | val BPB mean ± sd | gap to MoE (paired) mean ± sd "
+           "| per-seed gaps | compression | MFLOPs/token at R / realised | attn-map MFLOPs/token | train tokens/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, b in budgets.items():
+        for m in b["models"]:
+            if len(m["seeds"]) < 2:
+                continue
+            gap = "" if m["label"] == "moe" else f"{m['gap_vs_moe']:+.4f} ± {m['gap_vs_moe_std']:.4f}"
+            per = "" if m["label"] == "moe" else " / ".join(f"{g:+.3f}" for g in m["gap_vs_moe_seeds"])
+            out.append(f"| {b['tokens'] / 1e6:g}M | {m['label']} | {m['name']} | {len(m['seeds'])} "
+                       f"| {m['val_bpb']:.4f} ± {m['val_bpb_std']:.4f} | {gap} | {per} | {m['compression']:.2f} "
+                       f"| {m['activated_mflops_per_token']:.2f} / {m['activated_mflops_per_token_realised']:.2f} "
+                       f"| {m['attention_map_mflops_per_token']:.3f} | {m['train_tokens_per_s']:.0f} |")
+    for name, b in budgets.items():
+        rows = {m["label"]: m for m in b["models"]}
+        if "topk-R2" not in rows or len(rows) <= 3:
+            continue
+        base = _seed0(rows["topk-R2"])
+        out += [f"\n## Every variant at {b['tokens'] / 1e6:g}M tokens, seed 0\n",
+                "| run | model | val BPB | vs MoE | vs topk-R2 | compression | p in [0.4, 0.6) | p < 0.1 or ≥ 0.9 "
+                "| train tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+        for m in b["models"]:
+            if 0 not in m["seeds"]:
+                continue
+            v = _seed0(m)
+            p = (f"{m['p_near_half']:.0%} | {m['p_decisive']:.1%}" if "p_near_half" in m else "– | –")
+            vs_moe = "" if m["label"] == "moe" else f"{_seed0(m, 'gap_vs_moe_seeds'):+.4f}"
+            out.append(f"| {m['label']} | {m['name']} | {v:.4f} | {vs_moe} | {v - base:+.4f} | {m['compression']:.2f} "
+                       f"| {p} | {m['train_tokens_per_s']:.0f} |")
+    return "\n".join(out) + "\n"
 
 
 def _plot_gap(budgets: dict, path: Path) -> None:
