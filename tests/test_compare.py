@@ -15,7 +15,7 @@ from training_helpers import make_corpus
 
 
 def _cfg(corpus, out, **kw):
-    return CompareConfig(**{**dict(preset="tiny", tokens=4 * 32 * 4, batch_size=4, seq_len=32, lr=3e-3,
+    return CompareConfig(**{**dict(preset="tiny", tokens=4 * 32 * 4, batch_size=4, seq_len=32, lr=3e-3, seeds=[0],
                                    device="cpu", data=str(corpus), out=str(out)), **kw})
 
 

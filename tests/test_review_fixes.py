@@ -102,12 +102,13 @@ def test_model_with_expert_hidden_18_trains_a_step():
 # ----- E5: compare reports FLOPs at the realised compression -----
 def _fake_run(run, compression):
     run.mkdir(parents=True)
-    (run / "eval.json").write_text(json.dumps({"val_bpb": 2.0, "val_loss": 1.4, "compression": compression}))
+    (run / "eval.json").write_text(json.dumps({"val_bpb": 2.0, "val_loss": 1.4, "compression": compression,
+                                               "p_histogram": [1] * 20}))
     (run / "metrics.jsonl").write_text(json.dumps({"tokens": 100, "tokens_per_s": 50.0, "val_bpb": 2.1}) + "\n")
 
 
 def test_compare_report_has_flops_at_the_realised_compression(tmp_path):
-    cc = CompareConfig(preset="tiny", out=str(tmp_path), seq_len=32, device="cpu")
+    cc = CompareConfig(preset="tiny", out=str(tmp_path), seq_len=32, device="cpu", seeds=[0])
     models = [("moe", TrainConfig(preset="tiny", model="moe")),
               ("topk-R2", TrainConfig(preset="tiny", strategy="topk", ratio=2.0))]
     _fake_run(tmp_path / "moe" / "seed0", 1.0)

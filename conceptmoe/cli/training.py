@@ -193,8 +193,8 @@ def _register_compare(sub) -> None:
     _common_model_flags(p)
     p.add_argument("--strategies", type=_csv(str), help="reinvestment strategies: topk,layers,loop (default topk)")
     p.add_argument("--ratios", type=_csv(finite_float), help="compression ratios R (default 2)")
-    p.add_argument("--seeds", type=_csv(int), help="seeds, e.g. 0,1,2 (default 0)")
-    p.add_argument("--tokens", type=int, help="training tokens per model (default 2M)")
+    p.add_argument("--seeds", type=_csv(int), help="seeds, e.g. 0,1,2 (default 0,1,2)")
+    p.add_argument("--tokens", type=int, help="training tokens per model (default 300k)")
     p.add_argument("--ablations", action="store_true",
                    help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
     p.add_argument("--variants", metavar="FILE",

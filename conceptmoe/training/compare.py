@@ -33,7 +33,8 @@ from .tokenizer import save_tokenizer, train_tokenizer
 from .train import train
 from .vlm_data import VLM_DATA
 
-DEFAULT_COMPARE_TOKENS = 2_000_000  # ~30-45 min for the default pair on 2 CPU cores
+DEFAULT_COMPARE_TOKENS = 300_000  # x 3 seeds x 2 models: ~20-30 min on 2 CPU cores (docs/study)
+DEFAULT_COMPARE_SEEDS = (0, 1, 2)  # a gap counts only beyond the spread over seeds
 ABLATIONS = {  # label suffix -> ModelConfig overrides
     "linear-router": {"chunk_router": "linear"},
     "fixed-chunks": {"chunk_router": "fixed"},
@@ -47,7 +48,7 @@ class CompareConfig:
     preset: str = "small"
     strategies: list[str] = field(default_factory=lambda: ["topk"])
     ratios: list[float] = field(default_factory=lambda: [2.0])
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[int] = field(default_factory=lambda: list(DEFAULT_COMPARE_SEEDS))
     tokens: int = DEFAULT_COMPARE_TOKENS
     ablations: bool = False
     data: str | None = None
