@@ -138,6 +138,13 @@ class TrainConfig:
         return max(1, math.ceil((self.tokens or DEFAULT_TOKENS) / (self.batch_size * self.seq_len)))
 
 
+def comparable_model(model: dict[str, Any]) -> dict[str, Any]:
+    """A stored model config as it decides a run: fields added since take their defaults, and a
+    MoE's ConceptMoE-only fields (which it never uses, e.g. a preset's boundary sharpness) drop out."""
+    d = ModelConfig.from_dict(model).to_dict()
+    return {k: v for k, v in d.items() if k not in MOE_IGNORED} if d["kind"] == "moe" else d
+
+
 def resolve_data(data: str | None) -> str | None:
     """An absolute --data path (the default corpus and the digits task keep their names)."""
     return data if data is None or str(data) in (DEFAULT_CORPUS, VLM_DATA) else str(Path(data).resolve())

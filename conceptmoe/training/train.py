@@ -27,7 +27,7 @@ from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
 from . import distributed, loop
-from .config import RUN_IDENTITY, TrainConfig, default_out, model_config, resolve_data
+from .config import RUN_IDENTITY, TrainConfig, comparable_model, default_out, model_config, resolve_data
 from .data import DOC_SEP, BatchSampler, check_record, load_corpus
 from .distributed import Dist
 from .evaluate import evaluate_tokens
@@ -65,7 +65,7 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
         stored = ck.read_run_config(out) if ck.is_run(out) else None
         if stored is None:
             raise UserError(f"--resume: {out} holds no run to resume")
-        diff = _diff(ModelConfig.from_dict(stored["model"]).to_dict(), mc.to_dict())  # fields added later: defaults
+        diff = _diff(comparable_model(stored["model"]), comparable_model(mc.to_dict()))
         if diff:
             raise UserError(f"--resume: {out} holds a run with a different model config (differs in: {', '.join(diff)})")
         old = stored.get("train", {})

@@ -20,8 +20,7 @@ from typing import Any
 from ..errors import UserError
 from ..model.flops import count_flops
 from . import checkpoint as ck
-from ..model.config import ModelConfig
-from .config import TrainConfig, model_config
+from .config import TrainConfig, comparable_model, model_config
 from .lock import RunLock
 from .train import train
 
@@ -37,7 +36,7 @@ def _done(run: Path, tc: TrainConfig) -> bool:
     skip = ("device", "out", "tokenizer", "force", "resume", "progress")
     same_train = {k: v for k, v in stored.get("train", {}).items() if k not in skip} == \
         {k: v for k, v in tc.to_dict().items() if k not in skip}
-    return ModelConfig.from_dict(stored["model"]).to_dict() == model_config(tc).to_dict() and same_train
+    return comparable_model(stored["model"]) == comparable_model(model_config(tc).to_dict()) and same_train
 
 
 def compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
