@@ -60,7 +60,8 @@ MUTANTS = [
            GRAD, "straight-through estimator passes no gradient"),
     Mutant("ema-detach-p", CHUNK, "ema_scan(chunks.concept_p.float(), ", "ema_scan(chunks.concept_p.detach().float(), ",
            GRAD, "no gradient through the EMA weights"),
-    Mutant("drop-ratio-loss", LM, "cfg.ratio_loss_weight * rl if use_ratio else None)", "None)",
+    Mutant("drop-ratio-loss", LM, "router_loss = cfg.ratio_loss_weight * rl if use_ratio else None",
+           "router_loss = None",
            GRAD, "ratio loss left out of the total loss"),
     # --- more of the method ---
     Mutant("ste-on-p-not-P", CHUNK, "P = torch.where(chunks.b, chunks.p, 1 - chunks.p)", "P = chunks.p",
