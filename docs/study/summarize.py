@@ -112,7 +112,7 @@ def _plot_gap(budgets: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("training tokens per model (millions)")
     ax.set_ylabel("val BPB, ConceptMoE - MoE (paired by seed)")
-    ax.set_title("Gap to the MoE (mean ± sd over seeds; < 0: ConceptMoE better)")
+    ax.set_title("Gap to the MoE (mean ± sd over seeds; < 0: ConceptMoE better)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
