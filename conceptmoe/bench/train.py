@@ -31,10 +31,15 @@ def exact_boundaries(B: int, T: int, ratio: float, g: torch.Generator) -> torch.
     return b
 
 
+def _boundary_kwargs(model, u: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A ConceptMoE takes exact boundaries (bool u: the router still runs) or noise uniforms."""
+    if not model.cfg.is_concept:
+        return {}
+    return {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
+
+
 def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
-    kwargs = {}
-    if model.cfg.is_concept:  # timed at exactly the target compression (the router still runs)
-        kwargs = {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
+    kwargs = _boundary_kwargs(model, u)
     t0 = time.perf_counter()
     out = model(x, labels=x, **kwargs)
     t1 = time.perf_counter()
@@ -93,11 +98,8 @@ def profile_step(model, x: torch.Tensor, u: torch.Tensor, top: int = 12) -> dict
     """Top ``top`` operators by self CPU time in one forward and, separately, one backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    kwargs = {}
-    if model.cfg.is_concept:
-        kwargs = {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
     with profile(activities=[ProfilerActivity.CPU]) as fwd:
-        out = model(x, labels=x, **kwargs)
+        out = model(x, labels=x, **_boundary_kwargs(model, u))
     with profile(activities=[ProfilerActivity.CPU]) as bwd:
         out.loss.backward()
     model.zero_grad(set_to_none=True)

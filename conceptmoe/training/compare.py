@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from . import checkpoint as ck
-from .config import MAX_RATIO, MOE_IGNORED, STRATEGIES, comparable_model, TrainConfig, model_config, resolve_data
+from .config import MAX_RATIO, MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data, trained_as
 from .data import load_corpus
 from .lock import RunLock, holds_only_lock
 from .shards import is_prepared, open_prepared
@@ -216,11 +216,7 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
             run = out / label / f"seed{seed}"
             if not ck.is_run(run):
                 continue
-            stored = ck.read_run_config(run)
-            want = _run_config(tc, seed, run, tok_path)
-            same = (comparable_model(stored["model"]) == comparable_model(model_config(want).to_dict())
-                    and _comparable(stored.get("train", {})) == _comparable(want.to_dict()))
-            if stale_tok or not same:
+            if stale_tok or not trained_as(ck.read_run_config(run), _run_config(tc, seed, run, tok_path)):
                 conflicts.append(run)
     if conflicts and not cc.force:
         names = ", ".join(str(r.relative_to(out)) for r in conflicts[:4])
@@ -233,12 +229,6 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
     out.mkdir(parents=True, exist_ok=True)
     ck.write_json(meta_path, {**cc.to_dict(), "tokenizer": tok_key})
     return tok_path
-
-
-def _comparable(train_cfg: dict[str, Any]) -> dict[str, Any]:
-    """Training settings that decide a run's result (not where or on what device it ran; the
-    --set overrides are judged by the model config they give, compared next to this)."""
-    return {k: v for k, v in train_cfg.items() if k not in ("device", "out", "tokenizer", "overrides")}
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:

@@ -145,6 +145,16 @@ def comparable_model(model: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in MOE_IGNORED} if d["kind"] == "moe" else d
 
 
+def trained_as(stored: dict[str, Any], tc: TrainConfig) -> bool:
+    """Whether a stored run config (config.json) was trained with the settings ``tc`` asks for:
+    the same model (``comparable_model``) and training settings, not counting where or on what
+    device it ran; --set overrides count through the model config they give."""
+    place = ("device", "out", "tokenizer", "overrides")
+    train = lambda d: {k: v for k, v in d.items() if k not in place}  # noqa: E731
+    return (comparable_model(stored["model"]) == comparable_model(model_config(tc).to_dict())
+            and train(stored.get("train", {})) == train(tc.to_dict()))
+
+
 def resolve_data(data: str | None) -> str | None:
     """An absolute --data path (the default corpus and the digits task keep their names)."""
     return data if data is None or str(data) in (DEFAULT_CORPUS, VLM_DATA) else str(Path(data).resolve())

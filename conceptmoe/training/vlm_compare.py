@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import UserError
 from ..model.flops import count_flops
 from . import checkpoint as ck
-from .config import TrainConfig, comparable_model, model_config
+from .config import TrainConfig, model_config, trained_as
 from .lock import RunLock
 from .train import train
 
@@ -32,11 +32,7 @@ def _done(run: Path, tc: TrainConfig) -> bool:
     """The run finished with exactly these model and training settings."""
     if not (run / "eval.json").is_file():
         return False
-    stored = ck.read_run_config(run)
-    skip = ("device", "out", "tokenizer", "force", "resume", "progress")
-    same_train = {k: v for k, v in stored.get("train", {}).items() if k not in skip} == \
-        {k: v for k, v in tc.to_dict().items() if k not in skip}
-    return comparable_model(stored["model"]) == comparable_model(model_config(tc).to_dict()) and same_train
+    return trained_as(ck.read_run_config(run), tc)
 
 
 def compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
