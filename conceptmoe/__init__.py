@@ -1,8 +1,11 @@
 """ConceptMoE: adaptive token-to-concept compression for mixture-of-experts LMs (arXiv 2601.21420).
 
-Layout (dependencies run one way: cli -> training / inference / bench -> model):
-``model/`` the method (§2-3), ``inference/`` cached decoding (§4), ``training/`` runs,
-``bench/`` benchmarks, ``cli/`` the command line.
+Layout (dependencies run one way, docs/architecture.md shows the tree):
+``model/`` the method (§2-3), ``inference/`` cached decoding (§4), ``data/`` corpora, tokenizer
+and shards, ``parallel/`` DDP / FSDP2 / expert parallelism applied from outside, ``training/`` the
+loop and the run directory, ``evaluation/`` evaluate / compare / boundaries, ``interop/``
+transformers and checkpoints from elsewhere, ``harness/`` lm-evaluation-harness, ``bench/``
+benchmarks, ``cli/`` the command line; ``errors``, ``files``, ``device`` and ``lock`` are shared.
 """
 
 from . import inference  # noqa: F401  (gives the models their ``generate`` method)

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conceptmoe import ModelConfig, build_model
 from conceptmoe.training.checkpoint import RUN_FORMAT, RUN_VERSION, write_json
-from conceptmoe.training.data import load_corpus
+from conceptmoe.data.corpus import load_corpus
 
 VOCAB = 320
 

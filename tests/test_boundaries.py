@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conceptmoe.training.boundaries import find_boundaries, render_html, render_terminal
+from conceptmoe.evaluation.boundaries import find_boundaries, render_html, render_terminal
 from conceptmoe.training.checkpoint import load_run
 from conceptmoe.training.train import TrainConfig, train
 from training_helpers import TINY, make_corpus

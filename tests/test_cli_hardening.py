@@ -10,7 +10,7 @@ from safetensors.torch import save_model
 from conceptmoe import ModelConfig, build_model
 from conceptmoe.cli import main
 from conceptmoe.training import checkpoint as ck
-from conceptmoe.training.tokenizer import save_tokenizer, train_tokenizer
+from conceptmoe.data.tokenizer import save_tokenizer, train_tokenizer
 
 
 def _run(folder, tokenizer_vocab=256):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conceptmoe.training import checkpoint as ck
-from conceptmoe.training.compare import CompareConfig, compare, plan, verdict
+from conceptmoe.evaluation.compare import CompareConfig, compare, plan, verdict
 from conceptmoe.errors import UserError
 from conceptmoe.model.flops import count_flops
 from conceptmoe.training.train import model_config

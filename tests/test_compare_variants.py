@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conceptmoe.errors import UserError
-from conceptmoe.training.compare import (CompareConfig, _decisiveness, _train_seconds, compare, load_variants,
+from conceptmoe.evaluation.compare import (CompareConfig, _decisiveness, _train_seconds, compare, load_variants,
                                          plan)
-from conceptmoe.training.evaluate import P_BINS, evaluate_tokens
+from conceptmoe.training.validation import P_BINS, evaluate_tokens
 from conceptmoe.training.train import model_config
 from conceptmoe.model.config import ModelConfig
 from conceptmoe.model.lm import build_model

@@ -6,7 +6,7 @@ import pytest
 
 from conceptmoe.cli import main
 from conceptmoe.errors import UserError
-from conceptmoe.interop.ct import CTConfig, continual_compare
+from conceptmoe.evaluation.continual import CTConfig, continual_compare
 from conceptmoe.training.config import TrainConfig
 from conceptmoe.training.train import train
 from training_helpers import TINY, make_corpus

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conceptmoe.errors import UserError
-from conceptmoe.training.data import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Corpus, Document, check_record,
+from conceptmoe.data.corpus import (DOC_SEP, HELD_OUT_PLAYS, BatchSampler, Corpus, Document, check_record,
                                       load_corpus, play_files, read_documents, split_documents,
                                       split_documents_legacy)
 from training_helpers import make_corpus
@@ -60,7 +60,7 @@ def test_split_many_short_documents_holds_out_whole_ones():
 
 
 def test_split_caps_validation_text(monkeypatch):
-    import conceptmoe.training.data as data
+    import conceptmoe.data.corpus as data
 
     monkeypatch.setattr(data, "MAX_VAL_CHARS", 1000)
     train, val = data.split_documents([Document("big.txt", "".join(f"{i}\n" for i in range(20000)))])

@@ -20,8 +20,8 @@ from conceptmoe import load_run
 from conceptmoe.cli import main
 from conceptmoe.harness.lm import ConceptMoEHarnessLM
 from conceptmoe.harness.tasks import NIAH_LENGTHS, build_tasks, ensure_tasks
-from conceptmoe.training.evaluate import evaluate_tokens
-from conceptmoe.training.tokenizer import byte_lengths
+from conceptmoe.training.validation import evaluate_tokens
+from conceptmoe.data.tokenizer import byte_lengths
 
 SEQ = 64  # the test runs' training length: rolling windows of 63 predicted tokens
 TASKS = ["cmoe_nextline", "cmoe_niah_05k"]

@@ -11,7 +11,7 @@ from conceptmoe.training import checkpoint as ck
 from conceptmoe.cli import main
 from conceptmoe.inference.text import MARK, render
 from conceptmoe.bench.calibrate import calibrate_router
-from conceptmoe.training.tokenizer import save_tokenizer, train_tokenizer
+from conceptmoe.data.tokenizer import save_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from conceptmoe.model.chunking import boundaries, sharpen
 from conceptmoe.model.flops import count_flops
 from conceptmoe.model.match import match_config
 from conceptmoe.model.moe import MoE
-from conceptmoe.training.compare import CompareConfig, build_report, render_markdown
+from conceptmoe.evaluation.compare import CompareConfig, build_report, render_markdown
 from conceptmoe.training.config import TrainConfig
 
 

@@ -1,5 +1,5 @@
 """Prepared token shards: ``conceptmoe prepare`` and training on memory-mapped shards
-(conceptmoe/training/prepare.py, shards.py, sources.py)."""
+(conceptmoe/data/prepare.py, shards.py, sources.py)."""
 
 import gzip
 import json
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-import conceptmoe.training.prepare as prep_mod
+import conceptmoe.data.prepare as prep_mod
 from conceptmoe.errors import UserError
 from conceptmoe.training import checkpoint as ck
-from conceptmoe.training.data import DOC_SEP, BatchSampler, Document, load_corpus, split_documents
-from conceptmoe.training.evaluate import evaluate
-from conceptmoe.training.prepare import PrepareConfig, prepare
-from conceptmoe.training.shards import ShardSampler, TokenView, file_sha256, is_prepared, open_prepared
-from conceptmoe.training.tokenizer import (encode_documents, load_tokenizer, pieces, sha256, splits_safely,
+from conceptmoe.data.corpus import DOC_SEP, BatchSampler, Document, load_corpus, split_documents
+from conceptmoe.evaluation.evaluate import evaluate
+from conceptmoe.data.prepare import PrepareConfig, prepare
+from conceptmoe.data.shards import ShardSampler, TokenView, file_sha256, is_prepared, open_prepared
+from conceptmoe.data.tokenizer import (encode_documents, load_tokenizer, pieces, sha256, splits_safely,
                                            train_tokenizer)
 from conceptmoe.training.train import TrainConfig, train
 from training_helpers import TINY, make_corpus, run_cli
@@ -289,7 +289,7 @@ def test_prepare_never_holds_the_corpus(tmp_path):
 
 _RSS_SCRIPT = """
 import resource, sys
-from conceptmoe.training.prepare import PrepareConfig, prepare
+from conceptmoe.data.prepare import PrepareConfig, prepare
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 prepare(PrepareConfig(data=sys.argv[1], out=sys.argv[2], tokenizer=sys.argv[3], progress=False))
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)

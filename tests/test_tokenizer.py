@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from conceptmoe.training.data import DOC_SEP
+from conceptmoe.data.corpus import DOC_SEP
 from conceptmoe.errors import UserError
-from conceptmoe.training.tokenizer import (byte_lengths, encode, encode_documents, load_tokenizer,
+from conceptmoe.data.tokenizer import (byte_lengths, encode, encode_documents, load_tokenizer,
                                   save_tokenizer, train_tokenizer)
 
 SAMPLE = ("To be, or not to be, that is the question:\n"

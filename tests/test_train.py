@@ -9,7 +9,8 @@ import torch
 
 from conceptmoe.training import checkpoint as ck
 from conceptmoe.model.config import ModelConfig
-from conceptmoe.training.evaluate import evaluate, evaluate_tokens, windows
+from conceptmoe.evaluation.evaluate import evaluate
+from conceptmoe.training.validation import evaluate_tokens, windows
 from conceptmoe.model.match import match_config
 from conceptmoe.model import build_model
 from conceptmoe.training.train import TrainConfig, default_out, lr_factor, model_config, train

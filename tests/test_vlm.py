@@ -156,7 +156,7 @@ def test_bad_image_inputs():
 # ----- the digits task -----
 
 def test_digits_task_held_out_images_never_in_training():
-    from conceptmoe.training.vlm_data import (EOS, IMAGE, eval_examples, load_digits, make_example,
+    from conceptmoe.data.digits import (EOS, IMAGE, eval_examples, load_digits, make_example,
                                               training_batch, words)
 
     d = load_digits()
@@ -182,7 +182,7 @@ def test_digits_task_held_out_images_never_in_training():
 def test_train_vlm_digits_end_to_end(tmp_path):
     from conceptmoe.training.config import TrainConfig
     from conceptmoe.training.train import train
-    from conceptmoe.training.vlm_boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
+    from conceptmoe.evaluation.boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
 
     over = {"d_model": 32, "n_experts": 4, "expert_hidden": 16, "n_layers": 3}
     tc = TrainConfig(data="vlm-digits", preset="vlm", overrides=over, max_steps=2, batch_size=2, seq_len=128,
@@ -206,7 +206,7 @@ def test_vlm_run_resumes_exactly_in_the_ordinary_loop(tmp_path, monkeypatch):
 
     from conceptmoe.errors import Interrupted
     from conceptmoe.training import checkpoint as ck
-    from conceptmoe.training import vlm_train
+    from conceptmoe.training import digits as vlm_train
     from conceptmoe.training.config import TrainConfig
     from conceptmoe.training.train import train
 
@@ -233,8 +233,8 @@ def test_vlm_run_resumes_exactly_in_the_ordinary_loop(tmp_path, monkeypatch):
 
 
 def test_digits_sampler_position_round_trip():
-    from conceptmoe.training.vlm_data import load_digits
-    from conceptmoe.training.vlm_train import DigitsSampler
+    from conceptmoe.data.digits import load_digits
+    from conceptmoe.training.digits import DigitsSampler
 
     digits = load_digits()
     a = DigitsSampler(digits, 3, 2, 128, 4)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conceptmoe.training.data import play_files
+from conceptmoe.data.corpus import play_files
 
 # A tiny model and very short sequences: a training step takes milliseconds on CPU.
 TINY = dict(preset="tiny", batch_size=4, seq_len=32, lr=3e-3, device="cpu", progress=False)

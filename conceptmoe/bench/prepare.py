@@ -21,14 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..training.data import play_files
-from ..training.tokenizer import train_tokenizer
+from ..data.corpus import play_files
+from ..data.tokenizer import train_tokenizer
 
 SAMPLE_CHARS = 4_000_000  # tokenizer training sample
 _CHILD = """
 import json, resource, sys, time
-from conceptmoe.training.prepare import PrepareConfig, prepare
-from conceptmoe.training.shards import open_prepared
+from conceptmoe.data.prepare import PrepareConfig, prepare
+from conceptmoe.data.shards import open_prepared
 def rss_kb():  # resident now (Linux); elsewhere the peak so far
     try:
         return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])

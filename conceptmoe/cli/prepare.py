@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..training.prepare import DEFAULT_VOCAB, SAMPLE_MB, SHARD_TOKENS, PrepareConfig, prepare
-from ..training.shards import open_prepared
+from ..data.prepare import DEFAULT_VOCAB, SAMPLE_MB, SHARD_TOKENS, PrepareConfig, prepare
+from ..data.shards import open_prepared
 from .args import finite_float
 
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..model.config import parse_overrides
-from ..training.boundaries import find_boundaries, render_html, render_terminal
-from ..training.compare import CompareConfig, compare, load_variants
+from ..evaluation.boundaries import find_boundaries, render_html, render_terminal
+from ..evaluation.compare import CompareConfig, compare, load_variants
 from ..training.config import DEFAULT_STRATEGY, TrainConfig, resolve_train_config
-from ..training.data import read_text_file
-from ..training.evaluate import evaluate
+from ..data.corpus import read_text_file
+from ..evaluation.evaluate import evaluate
 from ..training.train import train
 from .args import finite_float
 
@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ev = json.loads((out / "eval.json").read_text())
     print(f"run saved to {out}")
     if "val_bpb" not in ev:  # --data vlm-digits
-        from ..training.vlm_train import log_line
+        from ..training.digits import log_line
 
         print(log_line(ev))
         return 0
@@ -141,10 +141,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_tasks(args)
     if args.val_tokens is not None and args.val_tokens < 1:
         raise UserError("--val-tokens must be a positive integer")
-    from ..training.vlm_boundaries import is_vlm_run
+    from ..evaluation.evaluate import is_vlm_run
 
     if is_vlm_run(args.run):  # the digits task: text loss, answer accuracy, compression per modality
-        from ..training.vlm_train import evaluate_vlm_run, log_line
+        from ..evaluation.evaluate import evaluate_vlm_run
+        from ..training.digits import log_line
 
         res = evaluate_vlm_run(args.run, args.device)
         print(json.dumps(res) if args.json else log_line(res))
@@ -232,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare_ct(args: argparse.Namespace) -> int:
-    from ..interop.ct import CTConfig, continual_compare
+    from ..evaluation.continual import CTConfig, continual_compare
 
     if args.ablations or args.preset or args.data:
         raise UserError("--init compares continual training from that run: leave out --ablations, --preset and --data")
@@ -270,7 +271,7 @@ def _register_boundaries(sub) -> None:
 
 
 def cmd_boundaries(args: argparse.Namespace) -> int:
-    from ..training.vlm_boundaries import is_vlm_run
+    from ..evaluation.evaluate import is_vlm_run
 
     if is_vlm_run(args.run):
         return _vlm_boundaries(args)
@@ -288,7 +289,7 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
 
 
 def _vlm_boundaries(args: argparse.Namespace) -> int:
-    from ..training.vlm_boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
+    from ..evaluation.boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
 
     if args.text is not None or args.file is not None or args.examples < 1:
         raise UserError("a vlm-digits run shows held-out examples: use --examples N (N >= 1), not --text/--file")

@@ -36,7 +36,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from ..training.checkpoint import load_run
-from ..training.data import DOC_SEP
+from ..data.corpus import DOC_SEP
 
 MAX_LENGTH = 8192
 

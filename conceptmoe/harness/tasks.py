@@ -27,7 +27,7 @@ import random
 import re
 from pathlib import Path
 
-from ..training.data import DOC_SEP, load_corpus
+from ..data.corpus import DOC_SEP, load_corpus
 
 VERSION = 1
 NIAH_LENGTHS = {"05k": 500, "1k": 1000, "2k": 2000, "4k": 4000}

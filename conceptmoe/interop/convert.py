@@ -40,7 +40,7 @@ from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..training.checkpoint import (RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of,
                                    read_run_config, remove_run, write_json)
-from ..training.lock import RunLock, holds_only_lock
+from ..lock import RunLock, holds_only_lock
 from .hf_run import _copy, _sha256, save_weights
 
 STRATEGIES = ("topk", "layers", "loop")

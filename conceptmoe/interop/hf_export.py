@@ -29,7 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..training.checkpoint import load_run
-from ..training.data import DOC_SEP
+from ..data.corpus import DOC_SEP
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
 
 PAD = "<|pad|>"

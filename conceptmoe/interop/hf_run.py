@@ -35,7 +35,7 @@ from ..model.config import ModelConfig
 from ..model.lm import build_model
 from ..training.checkpoint import (RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config,
                                    remove_run, write_json)
-from ..training.tokenizer import load_tokenizer
+from ..data.tokenizer import load_tokenizer
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
 

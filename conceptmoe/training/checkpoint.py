@@ -27,22 +27,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from ..device import resolve_device  # noqa: F401  (part of this module's API)
 from ..errors import UserError
+from ..files import write_json  # noqa: F401  (part of this module's API)
 from ..model.config import ModelConfig
 from ..model.lm import build_model
-from .tokenizer import load_tokenizer
+from ..data.tokenizer import load_tokenizer
 
 RUN_FORMAT = "conceptmoe-run"
 RUN_VERSION = 1
 RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "model.safetensors", "eval.json")
 CKPT_DIR = "checkpoints"
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically: temp file in the same directory, then rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")  # strict JSON
-    os.replace(tmp, path)
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
@@ -233,18 +228,6 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 # ----- loading a trained run -----
-def resolve_device(name: str | None) -> torch.device:
-    """``auto`` picks CUDA when available; asking for CUDA without it is a UserError."""
-    name = name or "auto"
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise UserError(f"--device must be auto, cpu or cuda (got {name!r})")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda requested but CUDA is not available")
-    return torch.device(name)
-
-
 def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
     """(model in eval mode, ModelConfig, tokenizer, run config dict) of a trained run."""
     run_dir = Path(run_dir)

@@ -18,9 +18,9 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.match import match_config
 from . import checkpoint as ck
-from .data import DEFAULT_CORPUS
+from ..data.corpus import DEFAULT_CORPUS
 from .init_run import resolve_init
-from .vlm_data import VLM_DATA
+from ..data.digits import VLM_DATA
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 CPU cores
 STRATEGIES = ("topk", "layers", "loop")

@@ -32,10 +32,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import Interrupted, UserError
-from . import distributed, expert_parallel
+from ..parallel import distributed, expert_parallel
+from . import parallel_checkpoint
 from .config import TrainConfig
-from .data import BatchSampler
-from .distributed import Dist
+from ..data.corpus import BatchSampler
+from ..parallel.distributed import Dist
 from .signals import StopOnSignal
 
 
@@ -225,7 +226,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
                 log.flush()
             stopping = d.any(stop.signum is not None)
             if step % tc.save_every == 0 or step == total or stopping:
-                distributed.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position},
+                parallel_checkpoint.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position},
                                  d, lp.plain)
                 saved = step
             bar.update(1)

@@ -26,18 +26,19 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
-from . import distributed, loop
+from ..parallel import distributed
+from . import loop, parallel_checkpoint
 from .config import RUN_IDENTITY, TrainConfig, comparable_model, default_out, model_config, resolve_data
-from .data import DOC_SEP, BatchSampler, check_record, load_corpus
-from .distributed import Dist
-from .evaluate import evaluate_tokens
+from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
+from ..parallel.distributed import Dist
+from .validation import evaluate_tokens
 from .init_run import load_init_weights
-from .lock import RunLock, holds_only_lock
+from ..lock import RunLock, holds_only_lock
 from .loop import Loop, TaskData, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
-from .shards import ShardSampler, is_prepared, open_prepared
+from ..data.shards import ShardSampler, is_prepared, open_prepared
 from .signals import StopOnSignal
-from .tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
-from .vlm_data import VLM_DATA
+from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+from ..data.digits import VLM_DATA
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
@@ -140,7 +141,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
         if tc.data == VLM_DATA:  # the image-text digits task (vlm_train.py)
-            from .vlm_train import vlm_data
+            from .digits import vlm_data
 
             data = vlm_data(tc, mc, stored)
         else:
@@ -165,7 +166,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         step = 0
         ckpt = ck.latest_checkpoint(out) if stored is not None else None
         if ckpt is not None:
-            state = distributed.load(ckpt, model, opt, d)
+            state = parallel_checkpoint.load(ckpt, model, opt, d)
             step = int(state["step"])
             data.sampler.set_position(state["data_position"])
         if d.main:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conceptmoe import ModelConfig, build_model
-from conceptmoe.training import distributed, expert_parallel
+from conceptmoe.parallel import distributed, expert_parallel
 
 kind = sys.argv[1]
 d = distributed.setup("cpu")

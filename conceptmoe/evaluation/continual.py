@@ -29,12 +29,12 @@ from ..errors import UserError
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
 from ..training.config import TrainConfig
-from ..training.data import DOC_SEP, load_corpus
-from ..training.evaluate import evaluate_tokens
-from ..training.lock import RunLock, holds_only_lock
-from ..training.tokenizer import byte_lengths, encode_documents, load_tokenizer
+from ..data.corpus import DOC_SEP, load_corpus
+from ..training.validation import evaluate_tokens
+from ..lock import RunLock, holds_only_lock
+from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer
 from ..training.train import train
-from .convert import convert_run
+from ..interop.convert import convert_run
 
 VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
 

@@ -24,15 +24,16 @@ from typing import Any
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
-from . import checkpoint as ck
-from .config import MAX_RATIO, MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data, trained_as
-from .data import load_corpus
-from .lock import RunLock, holds_only_lock
-from .shards import is_prepared, open_prepared
-from .tokenizer import save_tokenizer, train_tokenizer
-from .train import train
-from .compare_report import plot_curves, plot_p_histograms, render_markdown, verdict  # noqa: F401 (re-exported)
-from .vlm_data import VLM_DATA
+from ..training import checkpoint as ck
+from ..training.config import MAX_RATIO, MOE_IGNORED, STRATEGIES, TrainConfig, model_config, resolve_data, trained_as
+from ..data.corpus import load_corpus
+from ..lock import RunLock, holds_only_lock
+from ..data.shards import is_prepared, open_prepared
+from ..data.tokenizer import save_tokenizer, train_tokenizer
+from ..training.train import train
+from .compare_report import (build_vlm_report, plot_curves, plot_p_histograms, render_markdown,  # noqa: F401 (re-exported)
+                             render_vlm_markdown, verdict)
+from ..data.digits import VLM_DATA
 
 DEFAULT_COMPARE_TOKENS = 300_000  # x 3 seeds x 2 models: ~20-30 min on 2 CPU cores (docs/study)
 DEFAULT_COMPARE_SEEDS = (0, 1, 2)  # a gap counts only beyond the spread over seeds
@@ -159,9 +160,7 @@ def compare(cc: CompareConfig) -> Path:
     out = Path(cc.out)
     models = plan(cc)
     if cc.data == VLM_DATA:  # the image-text digits task: its own metrics and report
-        from .vlm_compare import compare_vlm
-
-        return compare_vlm(cc, models)
+        return _compare_vlm(cc, models)
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     prep = open_prepared(cc.data) if is_prepared(cc.data) else None  # token shards bring their tokenizer
@@ -186,6 +185,35 @@ def compare(cc: CompareConfig) -> Path:
         (out / "report.md").write_text(render_markdown(report))
         plot_curves(report, out / "curves.png")
         plot_p_histograms(report, out / "p_hist.png")
+    return out
+
+
+def _vlm_done(run: Path, tc: TrainConfig) -> bool:
+    """The run finished with exactly these model and training settings."""
+    if not (run / "eval.json").is_file():
+        return False
+    return trained_as(ck.read_run_config(run), tc)
+
+
+def _compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
+    """The digits task: the same plan and seeds; a finished run with the same settings is reused."""
+    out = Path(cc.out)
+    if not model_config(models[0][1]).image_size:
+        raise UserError("--data vlm-digits needs an image model: --preset vlm")
+    for _, tc in models:
+        model_config(tc)  # every model must build (and match) before anything is trained
+    with RunLock(out):
+        for label, tc in models:
+            for seed in cc.seeds_for(label):
+                run = out / label / f"seed{seed}"
+                want = dataclasses.replace(tc, seed=seed, out=str(run), force=True)
+                if _vlm_done(run, want):
+                    continue
+                print(f"== {label} seed {seed} -> {run}", flush=True)
+                train(want)
+        report = build_vlm_report(cc, models)
+        ck.write_json(out / "report.json", report)
+        (out / "report.md").write_text(render_vlm_markdown(report))
     return out
 
 

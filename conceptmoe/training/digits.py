@@ -17,7 +17,6 @@ one example per row from position 0:
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +24,11 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.vision import image_mask
-from . import checkpoint as ck
 from .config import TrainConfig
-from .data import check_record
+from ..data.corpus import check_record
 from .loop import TaskData
-from .tokenizer import byte_lengths
-from .vlm_data import (
+from ..data.tokenizer import byte_lengths
+from ..data.digits import (
     EOS,
     PAD,
     SEMI,
@@ -130,13 +128,6 @@ def evaluate_vlm(model, digits: Digits, examples: list[Example], device=None,
     if generate:
         res.update({f"{k}_accuracy": v / len(examples) for k, v in right.items()})
     return res
-
-
-def evaluate_vlm_run(run_dir: str | Path, device: str = "auto") -> dict[str, float]:
-    """``evaluate_vlm`` of a trained vlm-digits run on the fixed held-out examples."""
-    model, cfg, _, _ = ck.load_run(run_dir, device)
-    digits = load_digits()
-    return evaluate_vlm(model, digits, eval_examples(digits, N_EVAL, cfg.n_patches))
 
 
 def _modality_counts(img: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict[str, tuple[int, int]]:

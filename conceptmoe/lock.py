@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import UserError
+from .errors import UserError
 
 LOCK_NAME = ".lock"
 

@@ -30,7 +30,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..errors import UserError
-from .data import SPLIT_RULE, BatchSampler
+from .corpus import SPLIT_RULE, BatchSampler
 from .tokenizer import byte_lengths, load_tokenizer, sha256
 
 FORMAT = "conceptmoe-prepared"

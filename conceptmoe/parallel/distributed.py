@@ -15,10 +15,9 @@ balance loss, z-loss and compression are global (``model/stats.py``), then wraps
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``--dtype bf16``), or shards
 the experts over groups of processes (``expert_parallel.py``, with DDP-style averaging).
 
-Checkpoints stay the single-process format (``checkpoint.py``): DDP holds full replicas, so
-rank 0 saves its own; FSDP gathers full model and optimizer state dicts onto rank 0's CPU
-(``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True,
-cpu_offload=True``). A run saved with N processes therefore resumes with any M.
+Checkpoints of a parallelized model are written and read by ``training/parallel_checkpoint.py``
+(the single-process format, whatever the mode), with ``unwrap``, ``is_sharded`` and ``param_names``
+from here.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import UserError
-from . import checkpoint as ck
+from ..device import resolve_device
 from . import expert_parallel as ep
 
 TIMEOUT_S = int(os.environ.get("CONCEPTMOE_DIST_TIMEOUT", "300"))  # a collective waits this long at most
@@ -97,7 +96,7 @@ def setup(device: str = "auto") -> Dist:
     """Join the torchrun job described by the environment (or stay a single process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Dist(device=ck.resolve_device(device))
+        return Dist(device=resolve_device(device))
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     if device == "cuda" and not use_cuda:
@@ -167,61 +166,6 @@ def param_names(opt: torch.optim.Optimizer, model: nn.Module) -> list[str]:
     """Parameter names in the optimizer's own order (its state_dict's integer ids)."""
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
     return [names[id(p)] for g in opt.param_groups for p in g["params"]]
-
-
-def _by_name(sd: dict, names: list[str]) -> dict:
-    return {"state": {names[i]: s for i, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
-
-
-def _by_id(sd: dict, names: list[str]) -> dict:
-    index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: s for n, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]}
-
-
-def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist, plain: Callable[[], nn.Module]) -> None:
-    """Write a checkpoint (rank 0) of a model trained in any mode; every rank must call it."""
-    if getattr(model, "expert_parallel", None) is None and not is_sharded(model):
-        if d.main:  # one process, or DDP: rank 0 holds the whole model and optimizer
-            ck.save_checkpoint(out, unwrap(model), opt, state)
-        d.barrier()
-        return
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        msd = get_model_state_dict(model, options=options)  # (empty dicts on ranks other than 0)
-        osd = get_optimizer_state_dict(model, opt, options=options)
-        osd = _by_id(osd, param_names(opt, model)) if d.main else osd
-    else:
-        msd, osd = ep.full_state(model, opt, param_names(opt, model))
-    if d.main:  # the gathered state goes through a plain model, in the single-process format
-        shadow = plain()
-        shadow.load_state_dict(msd)
-        ck.save_checkpoint(out, shadow, opt, state, optimizer_state=osd)
-    d.barrier()
-
-
-def load(ckpt, model: nn.Module, opt: torch.optim.Optimizer, d: Dist) -> dict:
-    """Restore a checkpoint written by any number of processes into this (parallelized) model."""
-    if getattr(model, "expert_parallel", None) is not None:
-        state, msd, osd = ck.read_checkpoint(ckpt)
-        ep.load_state(model, opt, param_names(opt, model), msd, osd)
-        return state
-    if not is_sharded(model):
-        return ck.load_checkpoint(ckpt, unwrap(model), opt, d.device)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    state, msd, osd = ck.read_checkpoint(ckpt)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, msd, options=options)
-    set_optimizer_state_dict(model, opt, _by_name(osd, param_names(opt, model)), options=options)
-    return state
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -35,9 +35,9 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from ..errors import UserError
-from .checkpoint import write_json
-from .data import DOC_SEP, MIN_TAIL_CHARS, SPLIT_RULE, SplitRule
-from .lock import LOCK_NAME, RunLock
+from ..files import write_json
+from .corpus import DOC_SEP, MIN_TAIL_CHARS, SPLIT_RULE, SplitRule
+from ..lock import LOCK_NAME, RunLock
 from .shards import FORMAT, MANIFEST, PROGRESS, SPLITS, TOKENIZER, VERSION, dtype_for, read_progress, shard_name
 from .sources import fingerprint, iter_documents
 from .tokenizer import load_tokenizer, pieces, save_tokenizer, sha256, splits_safely, train_tokenizer

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import UserError
-from .data import TEXT_SUFFIXES, Document, read_text_file
+from .corpus import TEXT_SUFFIXES, Document, read_text_file
 
 PARQUET_BATCH = 1024  # rows per record batch
 

@@ -1,5 +1,13 @@
-"""Concept boundaries over images and text: the digits task's view (CONCEPTMOE.md §2 item 2, §5).
+"""Where a trained ConceptMoE puts concept boundaries (CONCEPTMOE.md §2, item 2: the chunk module).
 
+``find_boundaries(run_dir, text)`` runs the model in eval mode (deterministic boundaries,
+p_t >= 0.5) over the text in windows of the run's training length (every window starts a new
+concept, as in training) and returns the concepts as text spans that concatenate back to the
+input. ``render_terminal`` colours the spans (or separates them with ``|`` without colour);
+``render_html`` writes a self-contained page with the boundary probability and token count of
+every concept in its tooltip.
+
+The vision-language digits task (``--data vlm-digits``) has its own view:
 ``find_vlm_boundaries(run_dir, n)`` runs a ConceptMoE trained on ``--data vlm-digits`` in eval
 mode (deterministic boundaries) over ``n`` held-out examples, one per row from position 0, and
 returns for each the images (pixels and the concept of every patch) and the text as concept
@@ -20,11 +28,101 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .checkpoint import load_run, read_run_config
-from .vlm_data import VLM_DATA, eval_examples, load_digits
+from ..data.digits import eval_examples, load_digits
+from ..training.checkpoint import load_run
 
-_HTML = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-_SPAN = ("#afd7ff", "#ffd7af", "#d7ffd7", "#ffafaf", "#d7d7ff", "#ffffaf", "#ffd7ff", "#afffff")
+# Background colours cycled over concepts (ANSI 256-colour codes and their HTML equivalents).
+_ANSI = (153, 223, 194, 217, 189, 229)
+_HTML = ("#afd7ff", "#ffd7af", "#d7ffd7", "#ffafaf", "#d7d7ff", "#ffffaf")
+
+
+@dataclass
+class Concept:
+    text: str  # the characters this concept covers
+    n_tokens: int
+    p: float  # boundary probability at the concept's first token
+
+
+@dataclass
+class BoundaryResult:
+    concepts: list[Concept]
+    n_tokens: int
+    target_ratio: float
+    run: str
+
+    @property
+    def compression(self) -> float:
+        """Realized tokens per concept on this text."""
+        return self.n_tokens / max(len(self.concepts), 1)
+
+    def summary(self) -> str:
+        return (f"{self.n_tokens} tokens -> {len(self.concepts)} concepts: compression "
+                f"{self.compression:.2f} tokens/concept (target R = {self.target_ratio:g})")
+
+
+@torch.no_grad()
+def find_boundaries(run_dir: str | Path, text: str, device: str = "auto") -> BoundaryResult:
+    """Chunk ``text`` with a trained ConceptMoE run."""
+    if not text.strip():
+        raise UserError("the text to chunk is empty")
+    model, cfg, tok, run_cfg = load_run(run_dir, device)
+    if not cfg.is_concept:
+        raise UserError(f"{run_dir} is a plain MoE run: it has no concept boundaries")
+    enc = tok.encode(text)
+    ids = torch.tensor(enc.ids, dtype=torch.long)
+    seq_len = int(run_cfg.get("train", {}).get("seq_len", 256))
+    dev = next(model.parameters()).device
+    p_all, b_all = [], []
+    for start in range(0, len(ids), seq_len):
+        out = model(ids[start:start + seq_len][None].to(dev))
+        p_all.append(out.chunks.p[0].float().cpu())
+        b_all.append(out.boundaries[0].cpu())
+    p, b = torch.cat(p_all), torch.cat(b_all)  # (T,)
+    starts = torch.nonzero(b).flatten().tolist()
+    char_at = [enc.offsets[i][0] for i in starts] + [len(text)]
+    char_at[0] = 0  # leading text the tokenizer folded into the first token
+    ends = starts[1:] + [len(ids)]
+    concepts = [Concept(text[char_at[j]:char_at[j + 1]], ends[j] - starts[j], float(p[starts[j]]))
+                for j in range(len(starts))]
+    return BoundaryResult(concepts, len(ids), cfg.compression_ratio, str(run_dir))
+
+
+def render_terminal(res: BoundaryResult, color: bool = True) -> str:
+    """Concepts as alternating background colours (or ``|``-separated), then the summary."""
+    if color:
+        body = "".join(f"\x1b[30;48;5;{_ANSI[j % len(_ANSI)]}m{c.text}\x1b[0m"
+                       for j, c in enumerate(res.concepts))
+    else:
+        body = "|".join(c.text for c in res.concepts)
+    return f"{body}\n\n{res.summary()}"
+
+
+def render_html(res: BoundaryResult) -> str:
+    """A self-contained HTML page (inline CSS, no scripts) showing the concepts."""
+    spans = "".join(
+        f'<span style="background:{_HTML[j % len(_HTML)]}" title="concept {j}: {c.n_tokens} tokens, '
+        f'p = {c.p:.2f}">{html.escape(c.text)}</span>' for j, c in enumerate(res.concepts))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>ConceptMoE boundaries</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }}
+.text {{ font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.7;
+         border: 1px solid #ddd; padding: 1em; }}
+.text span {{ border-radius: 3px; }}
+</style></head><body>
+<h1>Concept boundaries</h1>
+<p>Run: <code>{html.escape(res.run)}</code><br>{html.escape(res.summary())}</p>
+<p>Each coloured span is one concept: the concept model sees it as a single position.
+Hover a span for its token count and boundary probability.</p>
+<div class="text">{spans}</div>
+</body></html>
+"""
+
+
+# The digits task: images and text in one view.
+
+_VLM_OUTLINE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+_VLM_SPAN = ("#afd7ff", "#ffd7af", "#d7ffd7", "#ffafaf", "#d7d7ff", "#ffffaf", "#ffd7ff", "#afffff")
 
 
 @dataclass
@@ -35,15 +133,6 @@ class VlmView:
     text: list[tuple[str, int]]  # (token, concept index) of the text positions
     compression_image: float
     compression_text: float
-
-
-def is_vlm_run(run_dir: str | Path) -> bool:
-    """The run was trained on the digits task (False for anything unreadable: the text path
-    reports that)."""
-    try:
-        return read_run_config(run_dir).get("train", {}).get("data") == VLM_DATA
-    except UserError:
-        return False
 
 
 @torch.no_grad()
@@ -104,7 +193,7 @@ def _svg(img: np.ndarray, concepts: list[int], starts: list[bool], px: int = 14)
     for i, (cj, st) in enumerate(zip(concepts, starts)):
         x, y = (i % g) * p * px, (i // g) * p * px
         cells.append(f'<rect x="{x + 1.5}" y="{y + 1.5}" width="{p * px - 3}" height="{p * px - 3}" fill="none" '
-                     f'stroke="{_HTML[cj % len(_HTML)]}" stroke-width="3"><title>patch {i}: concept {cj}'
+                     f'stroke="{_VLM_OUTLINE[cj % len(_VLM_OUTLINE)]}" stroke-width="3"><title>patch {i}: concept {cj}'
                      f'{" (starts it)" if st else ""}</title></rect>')
         if st:
             cells.append(f'<rect x="{x}" y="{y}" width="6" height="6" fill="#000"/>')
@@ -115,8 +204,8 @@ def render_vlm_html(views: list[VlmView], run: str) -> str:
     blocks = []
     for k, v in enumerate(views):
         imgs = " ".join(_svg(im, c, s) for im, c, s in zip(v.images, v.patch_concepts, v.patch_starts))
-        spans = " ".join(f'<span style="background:{_SPAN[c % len(_SPAN)]};border-bottom:3px solid '
-                         f'{_HTML[c % len(_HTML)]}" title="concept {c}">{html.escape(w)}</span>' for w, c in v.text)
+        spans = " ".join(f'<span style="background:{_VLM_SPAN[c % len(_VLM_SPAN)]};border-bottom:3px solid '
+                         f'{_VLM_OUTLINE[c % len(_VLM_OUTLINE)]}" title="concept {c}">{html.escape(w)}</span>' for w, c in v.text)
         blocks.append(f'<div class="ex"><h3>held-out example {k}</h3><div>{imgs}</div><p class="text">{spans}</p>'
                       f'<p>compression: image {v.compression_image:.2f}, text {v.compression_text:.2f} '
                       f'tokens/concept</p></div>')
