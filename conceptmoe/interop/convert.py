@@ -28,6 +28,7 @@ the top-k next to the source's); ``layers`` would need new layers and is refused
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,10 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from ..model.lm import build_model
-from ..training.checkpoint import (RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of,
-                                   read_run_config, remove_run, write_json)
-from ..lock import RunLock, holds_only_lock
+from ..files import building, check_out
+from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config, write_json
+from ..lock import RunLock
+from ..training.config import MAX_RATIO
 from .hf_run import _copy, _sha256, save_weights
 
 STRATEGIES = ("topk", "layers", "loop")
@@ -87,8 +89,8 @@ def converted_config(src: ModelConfig, ratio: float = 2.0, split: tuple[int, int
             raise UserError(f"--set {key}: fixed by the source's weights; convert cannot change it")
         if key in FLAG_FIELDS:
             raise UserError(f"--set {key}: use {FLAG_FIELDS[key]} instead")
-    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio >= 1):
-        raise UserError(f"--ratio must be a finite number >= 1 (got {ratio!r})")
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 1 <= ratio <= MAX_RATIO):
+        raise UserError(f"--ratio must be a finite number >= 1 and <= {MAX_RATIO} (got {ratio!r})")
     if strategy is not None and strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)} (got {strategy!r})")
     if strategy == "layers":
@@ -163,13 +165,11 @@ def map_state(src_state: dict[str, torch.Tensor], target: dict[str, torch.Tensor
 
 
 def _check_out(src: Path, out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
     if out.resolve() == src.resolve():
         raise UserError("--out must differ from the source run")
-    if out.is_dir() and not holds_only_lock(out) and not force:
-        what = "holds a run" if is_run(out) else "is not empty"
-        raise UserError(f"--out {out} {what}; choose another --out or pass --force to replace it")
+    if is_run(out) and not force:
+        raise UserError(f"--out {out} holds a run; choose another --out or pass --force to replace it")
+    check_out(out, force, replaceable=is_run(out))
 
 
 def convert_run(src: str | Path, out: str | Path, ratio: float = 2.0, split: str | None = None,
@@ -198,16 +198,15 @@ def convert_run(src: str | Path, out: str | Path, ratio: float = 2.0, split: str
               "strategy": strategy, "new_tensors": sorted(k for k in state if _is_new(k)),
               "flops_ratio": flops_new["activated_flops_per_token"] / flops_src["activated_flops_per_token"],
               "params_ratio": flops_new["total_params"] / flops_src["total_params"]}
-    with RunLock(out):
-        if force:
-            remove_run(out)
-        save_weights(cfg, state, out / "model.safetensors")
-        _copy(src / "tokenizer.json", out / "tokenizer.json")
+    # Built in a temporary sibling and renamed into place: a killed conversion leaves no half run.
+    with RunLock(out) if out.is_dir() else contextlib.nullcontext(), building(out, "convert", force, is_run(out)) as tmp:
+        save_weights(cfg, state, tmp / "model.safetensors")
+        _copy(src / "tokenizer.json", tmp / "tokenizer.json")
         doc = {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name, "model": cfg.to_dict(),
                "train": {"data": train["data"]} if "data" in train else {}, "source": record}
         if "data" in run_cfg:
             doc["data"] = run_cfg["data"]  # `conceptmoe eval` then uses the source's held-out split
-        write_json(out / "config.json", doc)  # last: an interrupted conversion never looks like a run
+        write_json(tmp / "config.json", doc)
     return out
 
 

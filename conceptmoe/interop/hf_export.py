@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..files import building
 from ..training.checkpoint import load_run
 from ..data.corpus import DOC_SEP
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
@@ -43,18 +44,6 @@ def _transformers():
     except ImportError:
         raise UserError("exporting a ConceptMoE run needs transformers: pip install -e \".[hf]\"") from None
     return transformers
-
-
-def _prepare_out(out: Path, force: bool) -> None:
-    """Refuse a non-empty ``out`` without ``force``; with it, delete the files an export writes."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise UserError(f"--out {out} is not empty; pass --force to replace it")
-        for name in HF_FILES:
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -79,7 +68,8 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> 
     hf.model = model
     hf.generation_config = tr.GenerationConfig(pad_token_id=pad, bos_token_id=None,
                                                eos_token_id=None)
-    _prepare_out(out, force)
-    hf.save_pretrained(out)  # config, weights, generation config and the remote-code files
-    hf_tok.save_pretrained(out)
+    # Built in a temporary sibling, renamed into place whole; --force replaces, never merges.
+    with building(out, "export-hf", force, (out / "config.json").is_file()) as tmp:
+        hf.save_pretrained(tmp)  # config, weights, generation config and the remote-code files
+        hf_tok.save_pretrained(tmp)
     return out

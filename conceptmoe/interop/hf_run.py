@@ -11,16 +11,18 @@ A HF directory holds ``config.json``, ``model.safetensors`` or shards listed in
     model.safetensors  fp32 weights of our MoELM
     tokenizer.json     the source tokenizer, byte for byte
 
-so ``load_run``, ``conceptmoe eval/generate/flops --config RUN`` work on it. ``config.json`` is
-written last: an interrupted import never looks like a run. ``export_hf`` writes a MoE run as a
-HF directory (per-expert keys, fp32) that the matching transformers class loads. Nothing is
-downloaded, nothing unpickled (``*.bin`` checkpoints are refused).
+so ``load_run``, ``conceptmoe eval/generate/flops --config RUN`` work on it. ``export_hf`` writes
+a MoE run as a HF directory (per-expert keys, fp32) that the matching transformers class loads.
+Both build their folder in a temporary sibling and rename it into place (``files.building``): an
+interrupted import or export leaves nothing that looks like a model. Nothing is downloaded,
+nothing unpickled (``*.bin`` checkpoints are refused).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -31,10 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file, save_model
 
 from ..errors import UserError
+from ..files import building, check_out
 from ..model.config import ModelConfig
 from ..model.lm import build_model
-from ..training.checkpoint import (RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config,
-                                   remove_run, write_json)
+from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
@@ -107,18 +109,27 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _prepare_out(out: Path, force: bool, names: tuple[str, ...]) -> None:
-    """Refuse a non-empty ``out`` without ``force``; with it, delete the files we are about to write."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise UserError(f"--out {out} is not empty; pass --force to replace it")
-        if is_run(out):
-            remove_run(out)
-        for name in names:
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+def replaceable(out: Path) -> bool:
+    """Whether ``--force`` may replace ``out``: it holds a run or a checkpoint (a config.json)."""
+    return (out / "config.json").is_file()
+
+
+def _non_finite(obj: Any, where: str = "") -> str | None:
+    """The first key holding NaN or an infinity in a parsed JSON value (None: all finite)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "the value"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if where else str(k))
+        if found:
+            return found
+    return None
+
+
+def _lookup(obj: Any, where: str) -> Any:
+    for k in where.split("."):
+        obj = obj[int(k)] if isinstance(obj, list) else obj[k]
+    return obj
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -148,6 +159,10 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
     hf = _read_json(src / "config.json")
     if not isinstance(hf, dict):
         raise UserError(f"{src / 'config.json'} is not a JSON object")
+    bad = _non_finite(hf)
+    if bad:
+        raise UserError(f"{src / 'config.json'}: {bad} is {_lookup(hf, bad)!r}; a config needs finite numbers")
+    check_out(out, force, replaceable(out))
     cfg = model_config_from_hf(hf)
     tok = load_tokenizer(src / "tokenizer.json")
     if tok.get_vocab_size() > cfg.vocab_size:
@@ -158,14 +173,14 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     state = from_hf(tensors, cfg)
     del tensors
-    _prepare_out(out, force, ())
-    save_weights(cfg, state, out / "model.safetensors")
-    _copy(src / "tokenizer.json", out / "tokenizer.json")
     source = {"tool": "conceptmoe import-hf", "path": str(src.resolve()), "architecture": ARCHS[arch_of(hf)],
               "dtypes": dtypes, "sha256": {f: _sha256(src / f) for f in [*files, "config.json", "tokenizer.json"]},
               "hf_config": hf}
-    write_json(out / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
-                                     "model": cfg.to_dict(), "train": {}, "source": source})
+    with building(out, "import-hf", force, replaceable(out)) as tmp:
+        save_weights(cfg, state, tmp / "model.safetensors")
+        _copy(src / "tokenizer.json", tmp / "tokenizer.json")
+        write_json(tmp / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
+                                         "model": cfg.to_dict(), "train": {}, "source": source})
     return out
 
 
@@ -173,18 +188,20 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
     """Write a MoE run as a HF checkpoint directory (``arch`` default: where it came from); returns it."""
     run, out = Path(run), Path(out)
     cfg = model_config_of(read_run_config(run))
+    if cfg.image_size:
+        raise UserError(f"{run} is a vision-language run; export-hf writes text-only models and would drop "
+                        "its vision.* weights, so it is not exported")
+    if run.resolve() == out.resolve():
+        raise UserError("--out must differ from the run directory")
+    check_out(out, force, replaceable(out))
     if cfg.is_concept and arch is None:  # a transformers "conceptmoe" directory (hf_export.py)
         from .hf_export import export_conceptmoe
         return export_conceptmoe(run, out, force)
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
-    if run.resolve() == out.resolve():
-        raise UserError("--out must differ from the run directory")
     model, cfg, _, _ = load_run(run, "cpu")
     tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
-    _prepare_out(out, force, HF_FILES)
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    _copy(run / "tokenizer.json", out / "tokenizer.json")
-    write_json(out / "config.json", hf)
+    with building(out, "export-hf", force, replaceable(out)) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _copy(run / "tokenizer.json", tmp / "tokenizer.json")
+        write_json(tmp / "config.json", hf)
     return out
