@@ -21,6 +21,34 @@ from conceptmoe.data.corpus import load_corpus
 VOCAB = 320
 
 
+# Sizes only: everything else (biases, shared-expert gate, norm_topk_prob, decoder_sparse_step,
+# mlp_only_layers, sliding-window flags, tied embeddings, rope) stays transformers' default.
+SHRUNK = {"vocab_size": VOCAB, "hidden_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_experts": 6, "num_experts_per_tok": 2, "max_position_embeddings": 512}
+SHRUNK_ARCH = {"olmoe": {"intermediate_size": 24},
+               "qwen2_moe": {"moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                             "intermediate_size": 40},
+               "qwen3_moe": {"moe_intermediate_size": 24, "intermediate_size": 24, "head_dim": 16}}
+HF_CLASSES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
+def shrunk_config(arch: str, vocab: int = VOCAB, **over):
+    """transformers' default config of ``arch`` shrunk in sizes only (``over`` on top).
+
+    Token ids the default places beyond the shrunk vocabulary (OLMoE's eos 50279) move to the
+    end of it, so that they stay valid ids.
+    """
+    import transformers as tr
+
+    cls = getattr(tr, HF_CLASSES[arch][0])
+    default, ids = cls(), {}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(default, name), int) and getattr(default, name) >= vocab:
+            ids[name] = vocab - 1
+    return cls(**{**SHRUNK, **SHRUNK_ARCH[arch], "vocab_size": vocab, **ids, **over})
+
+
 def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(map(len, prompts))
     ids = torch.full((len(prompts), T), pad, dtype=torch.long)

@@ -11,6 +11,8 @@ tr = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hf_helpers import shrunk_config
+
 from conceptmoe import ModelConfig, build_model, load_run
 from conceptmoe.cli import main
 from conceptmoe.errors import UserError
@@ -24,18 +26,8 @@ PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [1, 2, 3], [200, 201, 9, 9, 9, 13, 77, 31
 
 
 def hf_config(arch, **over):
-    common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
-    if arch == "olmoe":
-        common.update(intermediate_size=24)
-    elif arch == "qwen2_moe":
-        common.update(moe_intermediate_size=24, shared_expert_intermediate_size=40, intermediate_size=40,
-                      qkv_bias=False)
-    else:
-        common.update(moe_intermediate_size=24, intermediate_size=24, head_dim=16)  # 4 x 16 != 48
-    return CLASSES[arch][0](**{**common, **over})
+    """transformers' default config, shrunk in sizes only (Qwen2-MoE keeps its q/k/v biases)."""
+    return shrunk_config(arch, VOCAB, **over)  # Qwen3-MoE: head_dim 16, 4 x 16 != 48
 
 
 @torch.no_grad()
@@ -104,9 +96,10 @@ def max_logit_diff(ours, hf, prompts=PROMPTS):
 @torch.no_grad()
 def greedy(ours, hf, n=8):
     ids, mask = left_padded(PROMPTS)
-    a = ours.generate(ids, n, temperature=0, attention_mask=mask)[:, ids.shape[1]:]
+    eos = hf.generation_config.eos_token_id  # OLMoE's default has one: rows stop there
+    a = ours.generate(ids, n, temperature=0, attention_mask=mask, eos_token_id=eos)[:, ids.shape[1]:]
     b = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                    pad_token_id=0)[:, ids.shape[1]:]
+                    pad_token_id=0 if eos is None else eos)[:, ids.shape[1]:]
     return a, b
 
 
@@ -128,7 +121,8 @@ def test_import_matches_transformers(tmp_path, arch, kw):
     hf = load_hf(src, arch)
     assert run_cfg["format"] == RUN_FORMAT and run_cfg["source"]["architecture"] == CLASSES[arch][1].__name__
     assert cfg.kind == "moe" and cfg.n_kv_heads == 2 and cfg.norm_topk_prob == kw.get("norm_topk_prob", False)
-    assert cfg.tie_embeddings == kw.get("tie_word_embeddings", False) and cfg.rope_theta == 5000.0
+    assert cfg.tie_embeddings == kw.get("tie_word_embeddings", False) and cfg.rope_theta == 10000.0
+    assert cfg.attn_bias == ("qkv" if arch == "qwen2_moe" else "none")  # transformers' defaults
     assert cfg.head_dim == (16 if arch == "qwen3_moe" else 12)
     assert (run / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     assert ours.num_params() == sum(p.numel() for p in hf.parameters())
@@ -215,7 +209,7 @@ def _edited(src, tmp_path, edit):
 
 
 @pytest.mark.parametrize("field,value", [("mlp_only_layers", [1]), ("decoder_sparse_step", 2),
-                                         ("use_sliding_window", True), ("attention_bias", True),
+                                         ("use_sliding_window", True), ("attention_bias", 1),
                                          ("hidden_act", "gelu"), ("made_up_field", 1)])
 def test_import_refuses_what_it_cannot_represent(qwen3_src, tmp_path, capsys, field, value):
     src = _edited(qwen3_src, tmp_path, lambda c: c.update({field: value}))
@@ -232,7 +226,7 @@ def test_import_refuses_other_families_fields(tmp_path, capsys, qwen3_src):
         src = _edited(olmoe, tmp_path / field, lambda c, f=field, v=value: c.update({f: v}))
         _fail(capsys, ["import-hf", str(src), "--out", str(tmp_path / "r2")], field)
     qwen2 = make_checkpoint(tmp_path / "qwen2", "qwen2_moe")
-    src = _edited(qwen2, tmp_path / "bias", lambda c: c.pop("qkv_bias"))  # transformers' default: biases
+    src = _edited(qwen2, tmp_path / "bias", lambda c: c.update(qkv_bias="yes"))
     _fail(capsys, ["import-hf", str(src), "--out", str(tmp_path / "r3")], "qkv_bias")
 
 

@@ -50,7 +50,7 @@ TOLERANCE = 0.03  # as ``conceptmoe match``: activated FLOPs within 3% of the so
 # --set may not change what the source's weights fix, nor what a flag of its own sets.
 SHAPE_FIELDS = ("kind", "vocab_size", "d_model", "n_heads", "n_kv_heads", "n_layers", "head_size",
                 "n_experts", "expert_hidden", "n_shared_experts", "shared_hidden", "shared_expert_gate",
-                "qk_norm", "tie_embeddings", "concept_n_experts")
+                "qk_norm", "attn_bias", "tie_embeddings", "concept_n_experts")
 FLAG_FIELDS = {"n_encoder_layers": "--split", "n_decoder_layers": "--split", "compression_ratio": "--ratio",
                "concept_loops": "--loops", "joint_layers": "--joint-layers", "joint_decoding": "--joint-layers"}
 

@@ -81,17 +81,27 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(rp.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _check_dense_free(hf: dict[str, Any]) -> None:
-    """Every layer must be a full-attention MoE layer (Qwen dense / sliding-window layers are not)."""
+def _check_dense_free(hf: dict[str, Any], arch: str) -> None:
+    """Every layer must be a full-attention MoE layer (Qwen dense / sliding-window layers are not).
+
+    Qwen2-MoE decides per layer: ``layer_types`` when given, else transformers' rule (odd
+    layers below ``max_window_layers`` slide when ``use_sliding_window``), so a checkpoint whose
+    flag is on but whose layers are all full attention imports. Qwen3-MoE slides every layer.
+    """
     if hf.get("decoder_sparse_step", 1) != 1:
         _refuse("decoder_sparse_step", hf["decoder_sparse_step"], "dense MLP layers; ours are all MoE")
     if hf.get("mlp_only_layers"):
         _refuse("mlp_only_layers", hf["mlp_only_layers"], "dense MLP layers; ours are all MoE")
-    if hf.get("use_sliding_window"):
-        _refuse("use_sliding_window", True, "sliding-window attention")
     kinds = set(hf.get("layer_types") or [])
     if kinds - {"full_attention"}:
         _refuse("layer_types", sorted(kinds), "sliding-window attention")
+    if not hf.get("use_sliding_window"):
+        return
+    if arch == "qwen3_moe":
+        _refuse("use_sliding_window", True, "sliding-window attention")
+    n, upto = int(hf.get("num_hidden_layers", 0)), int(hf.get("max_window_layers", 28))
+    if not kinds and any((i + 1) % 2 and i < upto for i in range(n)):
+        _refuse("use_sliding_window", True, f"sliding-window attention in layers below max_window_layers={upto}")
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -104,16 +114,17 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         _refuse("hidden_act", hf["hidden_act"], "experts are SwiGLU")
     if hf.get("attention_dropout", 0.0):
         _refuse("attention_dropout", hf["attention_dropout"], "ours has no dropout")
-    if hf.get("attention_bias") or hf.get("qkv_bias", arch == "qwen2_moe"):
-        key = "qkv_bias" if arch == "qwen2_moe" else "attention_bias"
-        _refuse(key, True, "attention projections without bias only")
+    bias_key = "qkv_bias" if arch == "qwen2_moe" else "attention_bias"
+    bias = hf.get(bias_key, arch == "qwen2_moe")  # transformers' defaults: Qwen2-MoE has q/k/v biases
+    if not isinstance(bias, bool):
+        _refuse(bias_key, bias, "expected true or false")
     if arch == "olmoe":
         if hf.get("clip_qkv") is not None:
             _refuse("clip_qkv", hf["clip_qkv"], "no clamping of q/k/v")
         if hf.get("sliding_window") is not None:
             _refuse("sliding_window", hf["sliding_window"], "sliding-window attention")
     else:
-        _check_dense_free(hf)
+        _check_dense_free(hf, arch)
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         hd = int(hf.get("head_dim") or d // heads)
@@ -127,6 +138,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)), qk_norm=QK_NORM[arch],
             rope_theta=_rope_theta(hf), norm_eps=float(hf.get("rms_norm_eps", 1e-6 if arch != "olmoe" else 1e-5)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attn_bias=("qkv" if arch == "qwen2_moe" else "qkvo") if bias else "none",
             balance_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)),
             extra={"hf_architecture": ARCHS[arch]})
         if arch == "qwen2_moe":
@@ -164,6 +176,9 @@ def check_exportable(cfg: ModelConfig, arch: str) -> None:
         raise UserError(f"unknown --arch {arch!r}; choose from {', '.join(ARCHS)}")
     if cfg.qk_norm != QK_NORM[arch]:
         raise UserError(f"--arch {arch} needs qk_norm={QK_NORM[arch]!r} (the run has {cfg.qk_norm!r})")
+    if arch == "qwen2_moe" and cfg.attn_bias == "qkvo":
+        raise UserError("--arch qwen2_moe has no o_proj bias (the run has attn_bias='qkvo'); "
+                        "export it as olmoe or qwen3_moe")
     if arch != "qwen2_moe" and cfg.n_shared_experts:
         raise UserError(f"--arch {arch} has no shared expert (the run has {cfg.n_shared_experts}); "
                         "only qwen2_moe does")
@@ -177,6 +192,7 @@ def hf_config_from_model(cfg: ModelConfig, arch: str) -> dict[str, Any]:
     shared expert gets one of width 1 with zero weights (contributes exactly 0).
     """
     check_exportable(cfg, arch)
+    bias = cfg.attn_bias != "none"  # olmoe/qwen3_moe: a q/k/v-only run gets a zero o_proj bias
     out = dict(architectures=[ARCHS[arch]], model_type=arch, vocab_size=cfg.vocab_size,
                hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, num_experts=cfg.n_experts,
@@ -187,14 +203,14 @@ def hf_config_from_model(cfg: ModelConfig, arch: str) -> dict[str, Any]:
                router_aux_loss_coef=cfg.balance_loss_weight, bos_token_id=None, eos_token_id=None,
                pad_token_id=None, dtype="float32")
     if arch == "olmoe":
-        out.update(intermediate_size=cfg.expert_hidden, clip_qkv=None, attention_bias=False)
+        out.update(intermediate_size=cfg.expert_hidden, clip_qkv=None, attention_bias=bias)
     elif arch == "qwen2_moe":
         shared = cfg.n_shared_experts * cfg.shared_size or 1
         out.update(moe_intermediate_size=cfg.expert_hidden, shared_expert_intermediate_size=shared,
-                   intermediate_size=shared, qkv_bias=False, use_sliding_window=False,
+                   intermediate_size=shared, qkv_bias=bias, use_sliding_window=False,
                    decoder_sparse_step=1, mlp_only_layers=[])
     else:
         out.update(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.expert_hidden,
-                   attention_bias=False, use_sliding_window=False, sliding_window=None,
+                   attention_bias=bias, use_sliding_window=False, sliding_window=None,
                    decoder_sparse_step=1, mlp_only_layers=[])
     return out

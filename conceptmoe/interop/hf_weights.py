@@ -3,7 +3,7 @@
 Our layout (``model/lm.py``, ``model/moe.py``)      HF layout (``model.layers.N.`` prefix)
   embed.weight / norm.weight / lm_head.weight      model.embed_tokens / model.norm / lm_head
   layers.N.attn_norm / moe_norm                    input_layernorm / post_attention_layernorm
-  layers.N.attn.{wq,wk,wv,wo}                      self_attn.{q,k,v,o}_proj
+  layers.N.attn.{wq,wk,wv,wo}                      self_attn.{q,k,v,o}_proj (.weight; .bias per cfg.attn_bias)
   layers.N.attn.{q_norm,k_norm}                    self_attn.{q_norm,k_norm}
   layers.N.moe.router                              mlp.gate
   layers.N.moe.w_gate, w_up (E, D, F)              mlp.experts.E.{gate,up}_proj (F, D) on disk, or
@@ -27,6 +27,11 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 
 ATTN = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
+
+
+def attn_biases(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """The (ours, HF) attention projections that carry a bias: none, q/k/v or q/k/v/o."""
+    return {"none": (), "qkv": ATTN[:3], "qkvo": ATTN}[cfg.attn_bias]
 SHARED = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 _INV_FREQ = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq|model\.rotary_emb\.inv_freq")
 
@@ -44,6 +49,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "attn.wv.weight": (kvd, d), p + "attn.wo.weight": (d, qd),
                     p + "moe.router.weight": (E, d), p + "moe.w_gate": (E, d, f),
                     p + "moe.w_up": (E, d, f), p + "moe.w_down": (E, f, d)})
+        for ours, _ in attn_biases(cfg):
+            out[f"{p}attn.{ours}.bias"] = out[f"{p}attn.{ours}.weight"][:1]
         if norm:
             out.update({p + "attn.q_norm.weight": (norm[0],), p + "attn.k_norm.weight": (norm[1],)})
         if cfg.n_shared_experts:
@@ -108,6 +115,8 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
         out[q + "moe_norm.weight"] = src.take(p + "post_attention_layernorm.weight")
         for ours, theirs in ATTN:
             out[f"{q}attn.{ours}.weight"] = src.take(f"{p}self_attn.{theirs}.weight")
+        for ours, theirs in attn_biases(cfg):
+            out[f"{q}attn.{ours}.bias"] = src.take(f"{p}self_attn.{theirs}.bias")
         if cfg.qk_norm != "none":
             out[q + "attn.q_norm.weight"] = src.take(p + "self_attn.q_norm.weight")
             out[q + "attn.k_norm.weight"] = src.take(p + "self_attn.k_norm.weight")
@@ -155,6 +164,10 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str, fused: bo
         out[p + "post_attention_layernorm.weight"] = state[q + "moe_norm.weight"]
         for ours, theirs in ATTN:
             out[f"{p}self_attn.{theirs}.weight"] = state[f"{q}attn.{ours}.weight"]
+        for ours, theirs in attn_biases(cfg):
+            out[f"{p}self_attn.{theirs}.bias"] = state[f"{q}attn.{ours}.bias"]
+        if arch != "qwen2_moe" and cfg.attn_bias == "qkv":  # attention_bias covers o_proj too: zero
+            out[p + "self_attn.o_proj.bias"] = torch.zeros(d)
         if cfg.qk_norm != "none":
             out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
             out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]

@@ -54,10 +54,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         d, qd, kvd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(d, qd, bias=False)
-        self.wk = nn.Linear(d, kvd, bias=False)
-        self.wv = nn.Linear(d, kvd, bias=False)
-        self.wo = nn.Linear(qd, d, bias=False)
+        qkv_bias, o_bias = cfg.attn_bias != "none", cfg.attn_bias == "qkvo"
+        self.wq = nn.Linear(d, qd, bias=qkv_bias)
+        self.wk = nn.Linear(d, kvd, bias=qkv_bias)
+        self.wv = nn.Linear(d, kvd, bias=qkv_bias)
+        self.wo = nn.Linear(qd, d, bias=o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.hd, cfg.norm_eps), RMSNorm(self.hd, cfg.norm_eps)

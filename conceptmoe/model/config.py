@@ -27,8 +27,9 @@ DECHUNK_SOURCES = ("output", "update")
 # defaults, so configs stored before they existed still compare equal (``--resume``, ``compare``
 # reuse) and the JSON of every config that does not use them stays byte-identical.
 LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
-                 "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None}
+                 "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none"}
 QK_NORMS = ("none", "head", "full")
+ATTN_BIASES = ("none", "qkv", "qkvo")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ModelConfig:
     router_z_loss_weight: float = 0.001
     # --- attention ---
     qk_norm: str = "none"  # "none", "head" (Qwen3-MoE) or "full" (OLMoE)
+    # Biases of the attention projections: "qkv" (Qwen2-MoE's qkv_bias) or "qkvo" (the
+    # attention_bias flag of OLMoE / Qwen3-MoE); the joint-decoding W' never have one.
+    attn_bias: str = "none"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -110,6 +114,8 @@ class ModelConfig:
             bad("n_shared_experts", "shared expert count and size must be >= 0")
         if self.qk_norm not in QK_NORMS:
             bad("qk_norm", f"must be one of {QK_NORMS}")
+        if self.attn_bias not in ATTN_BIASES:
+            bad("attn_bias", f"must be one of {ATTN_BIASES}")
         for name in ("balance_loss_weight", "router_z_loss_weight", "ratio_loss_weight", "router_confidence_weight"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")

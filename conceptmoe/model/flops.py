@@ -2,7 +2,8 @@
 
 Implements CONCEPTMOE.md §3. Activated FLOPs per token count the linear layers only
 (attention projections, joint-decoding W', router, activated routed experts, shared experts,
-chunk-router projections, LM head) at 2 FLOPs per multiply-accumulate. Concept-model layers
+chunk-router projections, LM head) at 2 FLOPs per multiply-accumulate, plus 1 FLOP per
+attention-bias element (``attn_bias``). Concept-model layers
 count with weight ``concept_loops / R``: they run on about L/R positions. Attention-map FLOPs
 (QKᵀ and AV) are reported separately, averaged over causal positions of a sequence of length
 ``seq_len``: 4·H·Dh·(n+1)/2 per position for a layer over n positions. KV-cache bytes per token
@@ -36,14 +37,15 @@ class LayerCost:
 def _block(cfg: ModelConfig, n_experts: int, top_k: int, joint: bool) -> LayerCost:
     d, qd, kvd = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     attn = d * qd + 2 * d * kvd + qd * d
+    bias = {"none": 0, "qkv": qd + 2 * kvd, "qkvo": qd + 2 * kvd + d}[cfg.attn_bias]
     joint_w = (d * qd + 2 * d * kvd) if joint else 0
     expert = 3 * d * cfg.expert_hidden
     shared = cfg.n_shared_experts * 3 * d * cfg.shared_size
     gate = d if (cfg.n_shared_experts and cfg.shared_expert_gate) else 0
     router = d * n_experts
-    macs = attn + joint_w + router + top_k * expert + shared + gate
+    macs = attn + bias / 2 + joint_w + router + top_k * expert + shared + gate  # a bias add: 1 FLOP
     norms = 2 * d + {"none": 0, "head": 2 * cfg.head_dim, "full": qd + kvd}[cfg.qk_norm]
-    params = attn + joint_w + router + n_experts * expert + shared + gate + norms
+    params = attn + bias + joint_w + router + n_experts * expert + shared + gate + norms
     return LayerCost(macs, params, (n_experts - top_k) * expert)
 
 

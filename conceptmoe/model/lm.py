@@ -91,6 +91,9 @@ class LanguageModel(nn.Module):
     def _init_weights(self) -> None:
         std, depth = 0.02, (2 * self.cfg.n_layers * self.cfg.concept_loops) ** -0.5
         for name, p in self.named_parameters():
+            if ".attn.w" in name and name.endswith(".bias"):  # attention biases (cfg.attn_bias) start at zero
+                nn.init.zeros_(p)
+                continue
             if p.dim() < 2 or ".attn.j" in name or "chunk." in name or name.startswith("vision."):
                 continue  # norms, zero-init joint projections, identity chunk router, patch embedding
             scale = depth if name.endswith(("wo.weight", "w_down", "down.weight")) else 1.0
