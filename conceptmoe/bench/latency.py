@@ -15,6 +15,12 @@ Untrained ConceptMoE routers are calibrated to the target ratio first (``calibra
 trained runs are left alone. The realised compression is measured and reported every time.
 
 Speedup % = (t_MoE / t - 1) x 100, the paper's convention (+100% = twice as fast).
+
+``dtype`` ``bfloat16``: weights, activations and the KV / concept caches in bf16 (the routers,
+norms and dechunk scan compute in fp32 inside, as in training). ``compile``: ``torch.compile``
+of the dense modules the cached steps call (norms, shared experts). Every row also has its
+FLOPs (activated linear layers + attention maps, ``flops.count_flops``), GFLOP/s and MFU
+against the matmul peak of the dtype (``peak.py``, measured in the same process unless given).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..model.match import match_config
 from .calibrate import calibrate_decode, calibrate_router
+from ..parallel.distributed import blocks
 from .decode_state import restore, snapshot, synthetic_state
+from .peak import measure_peak
 
 
 @dataclass
@@ -52,8 +60,10 @@ class LatencySettings:
     decode_steps: int = 16  # decode steps per timed repeat
     seed: int = 0
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "bfloat16"
     threads: int = 0  # torch intra-op threads (0: leave torch's default)
+    compile: bool = False  # torch.compile the dense modules of every block
+    peak_gflops: float | None = None  # matmul peak of the dtype (None: measure it)
 
 
 @dataclass
@@ -95,7 +105,33 @@ def build_bench_models(s: LatencySettings, load_run=None) -> list[BenchModel]:
         out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]", model))
     for b in out:
         b.model.to(device=dev, dtype=dtype).eval()
+        if s.compile:
+            _compile_dense(b.model)
     return out
+
+
+def _compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the modules the cached steps call whole: norms and shared experts (the
+    attention and the expert dispatch are called piecewise and stay eager)."""
+    for blk in blocks(model):
+        for mod in (blk.attn_norm, blk.moe_norm, blk.moe.shared):
+            if mod is not None:
+                mod.compile(dynamic=True)
+    model.norm.compile(dynamic=True)
+
+
+def add_mfu(result: dict, models: list[BenchModel], peak_gflops: float) -> None:
+    """FLOPs, GFLOP/s and MFU of every prefill and decode row (in place)."""
+    cfg = {b.name: b.cfg for b in models}
+    for r in result["prefill"]:
+        f = count_flops(cfg[r["model"]], r["tokens"], r["compression"])
+        r["flops"] = (f["activated_flops_per_token"] + f["attention_map_flops_per_token"]) * r["tokens"] * r["batch"]
+    for r in result["decode"]:
+        f = count_flops(cfg[r["model"]], compression=max(r["compression"], 1.0))
+        r["flops"] = (f["activated_flops_per_token"] + r["attention_map_flops_per_token"]) * r["batch"]
+    for r in result["prefill"] + result["decode"]:
+        r["gflops_per_s"] = r["flops"] / r["median_s"] / 1e9
+        r["mfu"] = r["gflops_per_s"] / peak_gflops
 
 
 def _median(xs: list[float]) -> float:
@@ -224,6 +260,8 @@ def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
             raise UserError(f"--{name.replace('_', '-')}: lengths must be >= 2")
     if s.batch < 1 or s.prefill_batch < 1 or s.repeats < 1 or s.decode_steps < 1:
         raise UserError("--batch, --repeats and --decode-steps must be >= 1")
+    if s.dtype not in ("float32", "bfloat16"):
+        raise UserError(f"dtype must be float32 or bfloat16 (got {s.dtype!r})")
     threads = torch.get_num_threads()
     if s.threads:
         torch.set_num_threads(s.threads)
@@ -234,9 +272,13 @@ def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
                  "total_params": b.model.num_params(),
                  "activated_flops_per_token": count_flops(b.cfg)["activated_flops_per_token"],
                  "config": b.cfg.to_dict()} for b in models]
+        short = {"float32": "fp32", "bfloat16": "bf16"}[s.dtype]
+        peak = s.peak_gflops or measure_peak((short,), s.preset, device=s.device, min_time=0.1)["peak_gflops"][short]
         result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
+                  "dtype": short, "peak_gflops": peak,
                   "prefill": bench_prefill(models, s, log) if s.prefill_lens else [],
                   "decode": bench_decode(models, s, log) if s.kv_lens else []}
+        add_mfu(result, models, peak)
     finally:
         torch.set_num_threads(threads)
     return result

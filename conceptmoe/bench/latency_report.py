@@ -40,6 +40,9 @@ def kv_check(result: dict) -> list[dict]:
 
 def format_table(result: dict) -> str:
     lines = []
+    if "peak_gflops" in result:
+        lines.append(f"{result.get('dtype', 'fp32')}, {result['threads']} threads; MFU against the measured "
+                     f"matmul peak ({result['peak_gflops']:.0f} GFLOP/s)")
     for phase, key, unit in (("prefill", "tokens", "s"), ("decode", "kv_len", "ms/step")):
         rows = result.get(phase) or []
         if not rows:
@@ -47,12 +50,13 @@ def format_table(result: dict) -> str:
         scale = 1e3 if phase == "decode" else 1.0
         head = f"{phase} ({unit})"
         lines.append(f"{head:<14} {'length':>7}  {'model':<30} {'median':>10} {'speedup':>9} "
-                     f"{'R':>5} {'KV MiB':>9} {'attn GFLOP':>11}")
+                     f"{'R':>5} {'KV MiB':>9} {'attn GFLOP':>11} {'GFLOP/s':>8} {'MFU':>6}")
         for r in rows:
             flops = r.get("attention_map_flops", r.get("attention_map_flops_per_token", 0))
             lines.append(f"{'':<14} {r[key]:>7}  {r['model']:<30} {r['median_s'] * scale:>10.4f} "
                          f"{r['speedup_pct']:>+8.1f}% {r['compression']:>5.2f} "
-                         f"{r['kv_bytes'] / 2**20:>9.1f} {flops / 1e9:>11.3f}")
+                         f"{r['kv_bytes'] / 2**20:>9.1f} {flops / 1e9:>11.3f} "
+                         f"{r.get('gflops_per_s', float('nan')):>8.1f} {r.get('mfu', float('nan')):>6.1%}")
         lines.append("")
     for c in result.get("kv_check", []):
         L = c.get("tokens", c.get("kv_len"))

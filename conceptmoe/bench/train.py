@@ -6,19 +6,35 @@ tokens at each sequence length. Models are interleaved inside every repeat so ma
 them alike; medians are reported. Boundary noise is on as in training. ``ratio`` columns are the
 ConceptMoE's tokens/s over the MoE's (>= 1: at least as fast).
 
+``dtypes``: ``fp32`` and/or ``bf16`` (bf16 autocast around the forward, as ``conceptmoe train``
+runs it); several are interleaved in the same repeats, so ``vs_fp32`` (tokens/s over the same
+model's in fp32) is a side-by-side ratio. ``compile``: ``torch.compile`` each block, as ``train
+--compile`` does (the data-dependent expert dispatch stays eager).
+
+FLOP/s and MFU: a step's forward FLOPs are ``flops.count_flops`` (activated linear layers plus
+the attention maps, at the realised compression) times the tokens; its backward does twice as
+many. MFU = FLOP/s over the measured matmul peak of the dtype (``peak.py``, at the threads of
+the run, measured in the same process unless given).
+
 Shape legend: B batch rows, T tokens per row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import torch
 
 from ..model.config import ModelConfig
+from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..model.match import match_config
+from ..parallel.distributed import blocks
+from .peak import measure_peak
+
+DTYPES = ("fp32", "bf16")
 
 
 def exact_boundaries(B: int, T: int, ratio: float, g: torch.Generator) -> torch.Tensor:
@@ -38,10 +54,18 @@ def _boundary_kwargs(model, u: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"boundaries_override": u} if u.dtype == torch.bool else {"boundary_noise": u}
 
 
-def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
+def precision(dtype: str, device_type: str = "cpu"):
+    """The context a forward runs in: bf16 autocast, or nothing for fp32."""
+    if dtype == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _step(model, x: torch.Tensor, u: torch.Tensor, dtype: str = "fp32") -> tuple[float, float]:
     kwargs = _boundary_kwargs(model, u)
     t0 = time.perf_counter()
-    out = model(x, labels=x, **kwargs)
+    with precision(dtype):
+        out = model(x, labels=x, **kwargs)
     t1 = time.perf_counter()
     out.loss.backward()
     t2 = time.perf_counter()
@@ -51,18 +75,28 @@ def _step(model, x: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
 
 def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
                     seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
-                    seed: int = 0, exact: bool = True, profile: int = 0) -> dict:
-    """Per sequence length and model: median forward / backward seconds and tokens/s.
+                    seed: int = 0, exact: bool = True, profile: int = 0, dtypes: tuple[str, ...] = ("fp32",),
+                    compile: bool = False, peak: dict[str, float] | None = None) -> dict:
+    """Per sequence length, dtype and model: median forward / backward seconds, tokens/s, FLOP/s, MFU.
 
     ``exact``: ConceptMoEs take exactly round(T/R) boundaries per row (random positions), so the
     comparison is at the target compression; else the boundaries come from the untrained router
     with boundary noise (compression reported either way). ``profile`` > 0: also the top
     ``profile`` operators by self CPU time of one forward and one backward per model and length
-    (torch.profiler), under ``profile`` in the result."""
+    (torch.profiler), under ``profile`` in the result (keys ``model@T``, plus `` dtype`` when
+    several dtypes run). ``peak``: GFLOP/s per dtype (default: measured now, ``peak.py``)."""
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        raise ValueError(f"dtypes must be among {', '.join(DTYPES)} (got {', '.join(dtypes) or 'none'})")
     base = ModelConfig.from_preset(preset, kind="moe")
     cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
+    peak = peak or measure_peak(tuple(dtypes), preset, tokens, min_time=0.1)["peak_gflops"]
     torch.manual_seed(seed)
     models = {name: build_model(cfg).train() for name, cfg in cfgs}
+    if compile:
+        for m in models.values():
+            for blk in blocks(m):
+                blk.compile(dynamic=True)
+    runs = [(name, dt) for dt in dtypes for name in models]
     rows, profiles = [], {}
     for T in seq_lens:
         B = max(1, tokens // T)
@@ -71,34 +105,42 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
         u = torch.rand(B, T, generator=g)
         inputs = {name: (exact_boundaries(B, T, m.cfg.compression_ratio, g) if exact and m.cfg.is_concept else u)
                   for name, m in models.items()}
-        for name, m in models.items():  # warm-up
-            _step(m, x, inputs[name])
-        times: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
+        for name, dt in runs:  # warm-up (and, with compile, compilation)
+            _step(models[name], x, inputs[name], dt)
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {r: [] for r in runs}
         for _ in range(repeats):
-            for name, m in models.items():
-                times[name].append(_step(m, x, inputs[name]))
-        base_tps = None
-        for name, t in times.items():
+            for name, dt in runs:
+                times[name, dt].append(_step(models[name], x, inputs[name], dt))
+        comps = {name: _compression(m, x, inputs[name]) for name, m in models.items()}
+        tps_of = {}
+        for (name, dt), t in times.items():
             fwd = statistics.median(a for a, _ in t)
             bwd = statistics.median(b for _, b in t)
-            tps = B * T / (fwd + bwd)
-            base_tps = base_tps or tps
-            rows.append({"model": name, "seq_len": T, "batch": B, "forward_s": fwd, "backward_s": bwd,
-                         "tokens_per_s": tps, "ratio_vs_moe": tps / base_tps,
-                         "compression": _compression(models[name], x, inputs[name])})
+            tps = tps_of[name, dt] = B * T / (fwd + bwd)
+            f = count_flops(models[name].cfg, T, comps[name])
+            flops = (f["activated_flops_per_token"] + f["attention_map_flops_per_token"]) * B * T  # forward
+            rows.append({"model": name, "dtype": dt, "seq_len": T, "batch": B, "forward_s": fwd, "backward_s": bwd,
+                         "tokens_per_s": tps, "ratio_vs_moe": tps / tps_of["MoE", dt],
+                         "vs_fp32": tps / tps_of[name, "fp32"] if "fp32" in dtypes else None,
+                         "compression": comps[name], "forward_flops": flops,
+                         "forward_gflops_per_s": flops / fwd / 1e9, "backward_gflops_per_s": 2 * flops / bwd / 1e9,
+                         "forward_mfu": flops / fwd / 1e9 / peak[dt], "backward_mfu": 2 * flops / bwd / 1e9 / peak[dt],
+                         "mfu": 3 * flops / (fwd + bwd) / 1e9 / peak[dt]})
         if profile:
-            for name, m in models.items():
-                profiles[f"{name}@{T}"] = profile_step(m, x, inputs[name], profile)
-    return {"profile": profiles, "preset": preset, "threads": torch.get_num_threads(), "repeats": repeats, "exact_compression": exact,
-            "rows": rows,
+            for name, dt in runs:
+                key = f"{name}@{T}" + (f" {dt}" if len(dtypes) > 1 else "")
+                profiles[key] = profile_step(models[name], x, inputs[name], profile, dt)
+    return {"profile": profiles, "preset": preset, "threads": torch.get_num_threads(), "repeats": repeats,
+            "exact_compression": exact, "dtypes": list(dtypes), "compile": compile,
+            "peak_gflops": {dt: peak[dt] for dt in dtypes}, "rows": rows,
             "models": {n: cfg.name for n, cfg in cfgs}}
 
 
-def profile_step(model, x: torch.Tensor, u: torch.Tensor, top: int = 12) -> dict[str, list[dict]]:
+def profile_step(model, x: torch.Tensor, u: torch.Tensor, top: int = 12, dtype: str = "fp32") -> dict[str, list[dict]]:
     """Top ``top`` operators by self CPU time in one forward and, separately, one backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+    with profile(activities=[ProfilerActivity.CPU]) as fwd, precision(dtype):
         out = model(x, labels=x, **_boundary_kwargs(model, u))
     with profile(activities=[ProfilerActivity.CPU]) as bwd:
         out.loss.backward()
@@ -130,10 +172,16 @@ def _compression(model, x: torch.Tensor, u: torch.Tensor) -> float:
 
 
 def format_table(res: dict) -> str:
-    lines = [f"training step, preset {res['preset']}, {res['threads']} threads, median of {res['repeats']}",
-             f"{'model':<12}{'T':>6}{'B':>4}{'R':>6}{'fwd (s)':>10}{'bwd (s)':>10}{'tok/s':>9}{'vs MoE':>8}"]
+    peak = ", ".join(f"{k} {v:.0f}" for k, v in res["peak_gflops"].items())
+    lines = [f"training step, preset {res['preset']}, {res['threads']} threads, median of {res['repeats']}"
+             f"{', compiled blocks' if res['compile'] else ''}; MFU against the measured matmul peak "
+             f"({peak} GFLOP/s)",
+             f"{'model':<12}{'dtype':>6}{'T':>6}{'B':>4}{'R':>6}{'fwd (s)':>9}{'bwd (s)':>9}{'tok/s':>8}"
+             f"{'vs MoE':>7}{'vs fp32':>8}{'fwd GF/s':>9}{'bwd GF/s':>9}{'fwd MFU':>8}{'bwd MFU':>8}"]
     for r in res["rows"]:
-        lines.append(f"{r['model']:<12}{r['seq_len']:>6}{r['batch']:>4}{r['compression']:>6.2f}"
-                     f"{r['forward_s']:>10.3f}{r['backward_s']:>10.3f}"
-                     f"{r['tokens_per_s']:>9.0f}{r['ratio_vs_moe']:>8.2f}")
+        vs32 = f"{r['vs_fp32']:>8.2f}" if r["vs_fp32"] is not None else f"{'-':>8}"
+        lines.append(f"{r['model']:<12}{r['dtype']:>6}{r['seq_len']:>6}{r['batch']:>4}{r['compression']:>6.2f}"
+                     f"{r['forward_s']:>9.3f}{r['backward_s']:>9.3f}{r['tokens_per_s']:>8.0f}"
+                     f"{r['ratio_vs_moe']:>7.2f}{vs32}{r['forward_gflops_per_s']:>9.1f}"
+                     f"{r['backward_gflops_per_s']:>9.1f}{r['forward_mfu']:>8.1%}{r['backward_mfu']:>8.1%}")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""``conceptmoe bench latency | scan | moe | prepare``: benchmarks that print a table and write JSON."""
+"""``conceptmoe bench latency | scan | moe | prepare | train | peak``: benchmarks that print a table and write JSON."""
 
 from __future__ import annotations
 
@@ -14,12 +14,16 @@ from ..bench.latency import LatencySettings, run_latency
 from ..bench.latency_report import format_table, write_outputs
 from ..bench.moe import ARCHS, TABLE_HEADER, TOLERANCE, require_transformers, write_rows
 from ..bench.moe import compare as compare_moe
+from ..bench.peak import format_table as format_peak_table
+from ..bench.peak import measure_peak
 from ..bench.prepare import run_and_report as run_prepare_bench
 from ..bench.scan import run_and_report
 from ..bench.train import format_profile
 from ..bench.train import format_table as format_train_table
 from ..bench.train import run_train_bench
+from ..device import default_dtype, resolve_device
 from ..errors import UserError
+from ..files import write_json
 from ..training.checkpoint import load_run
 
 
@@ -76,6 +80,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     lat.add_argument("--threads", type=int, default=0,
                      help="torch threads (default: torch's choice; 1 is steadier on a shared CPU)")
     lat.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    lat.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                     help="weights, activations and caches in this precision (default: bf16 on CUDA and on "
+                          "CPUs with AMX-BF16 / AVX512-BF16, else fp32)")
+    lat.add_argument("--compile", action="store_true", help="torch.compile the dense modules of every block")
+    lat.add_argument("--peak", metavar="FILE", help="the peak.json of `bench peak --out` (default: measure it now)")
     lat.add_argument("--seed", type=int, default=0)
     lat.add_argument("--out", default="bench_out/latency", help="output directory (default bench_out/latency)")
     lat.set_defaults(func=cmd_bench_latency)
@@ -124,8 +133,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one step per model and length (torch.profiler): the top N operators "
                         "by self CPU time, forward and backward separately (default 0: off)")
+    p.add_argument("--dtype", type=_words, default=None, metavar="fp32|bf16",
+                   help="precision(s), comma-separated, timed side by side (default: bf16 on CPUs with "
+                        "AMX-BF16 / AVX512-BF16, else fp32)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (as train --compile)")
+    p.add_argument("--peak", metavar="FILE", help="the peak.json of `bench peak --out` (default: measure it now)")
     p.add_argument("--out", help="also write train.json into this directory")
     p.set_defaults(func=cmd_bench_train)
+
+    p = bench.add_parser(
+        "peak", help="measured matmul peak per dtype (fp32, bf16): the reference for MFU",
+        description="Time torch.mm at large square shapes and at the shapes a training step of the "
+                    "preset multiplies, in fp32 and bf16; the best rate per dtype is the peak that "
+                    "every MFU figure (bench train, bench latency) is measured against.")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    p.add_argument("--preset", default="small", help="model shapes from this preset (default small)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the model shapes (default 2048)")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds per shape, about (default 0.3)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--out", help="also write peak.json into this directory")
+    p.set_defaults(func=cmd_bench_peak)
 
     p = bench.add_parser(
         "prepare", help="conceptmoe prepare: MB/s and peak RSS as the corpus grows",
@@ -143,11 +171,14 @@ def cmd_bench_latency(args) -> int:
     def load(run_dir):
         return load_run(run_dir, args.device)[0]
 
+    dtype = args.dtype or default_dtype(resolve_device(args.device))
+    peak = (_read_peak(args.peak, (dtype,)) or {}).get(dtype)
     s = LatencySettings(preset=args.preset, ratios=args.ratios, strategies=args.strategies,
                         runs=args.run, prefill_lens=args.prefill_lens, kv_lens=args.kv_lens,
                         batch=args.batch, prefill_batch=args.prefill_batch, repeats=args.repeats,
                         decode_steps=args.decode_steps, seed=args.seed, device=args.device,
-                        threads=args.threads)
+                        threads=args.threads, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                        compile=args.compile, peak_gflops=peak)
     if not s.prefill_lens and not s.kv_lens:
         raise UserError("nothing to do: both --prefill-lens and --kv-lens are empty")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -206,8 +237,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         raise UserError("--tokens and --repeats must be >= 1, --threads and --profile >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtypes = tuple(args.dtype or [default_dtype(torch.device("cpu"))])
+    if any(d not in ("fp32", "bf16") for d in dtypes):
+        raise UserError(f"--dtype must be fp32, bf16 or fp32,bf16 (got {','.join(dtypes)})")
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
-                          args.tokens, args.repeats, exact=not args.router, profile=args.profile)
+                          args.tokens, args.repeats, exact=not args.router, profile=args.profile,
+                          dtypes=dtypes, compile=args.compile, peak=_read_peak(args.peak, dtypes))
     print(format_train_table(res))
     if args.profile:
         print(format_profile(res))
@@ -217,6 +252,37 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         (out / "train.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
         print(f"wrote {out / 'train.json'}")
     return 0
+
+
+def cmd_bench_peak(args: argparse.Namespace) -> int:
+    if args.threads < 0 or args.tokens < 1 or not args.min_time > 0:
+        raise UserError("--threads must be >= 0, --tokens >= 1 and --min-time > 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = measure_peak(preset=args.preset, tokens=args.tokens, device=str(resolve_device(args.device)),
+                       min_time=args.min_time)
+    print(json.dumps(res, indent=2) if args.json else format_peak_table(res))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "peak.json", res)
+        if not args.json:
+            print(f"wrote {out / 'peak.json'}")
+    return 0
+
+
+def _read_peak(path: str | None, dtypes) -> dict[str, float] | None:
+    """``peak_gflops`` of a ``bench peak`` result file, or None (measure it)."""
+    if path is None:
+        return None
+    try:
+        peak = json.loads(Path(path).read_text())["peak_gflops"]
+        values = {d: float(peak[d]) for d in dtypes}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise UserError(f"--peak {path}: not a `conceptmoe bench peak` result with {', '.join(dtypes)}") from None
+    if not all(math.isfinite(v) and v > 0 for v in values.values()):
+        raise UserError(f"--peak {path}: peaks must be positive")
+    return values
 
 
 def cmd_bench_prepare(args: argparse.Namespace) -> int:

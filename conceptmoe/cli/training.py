@@ -75,7 +75,7 @@ def _register_train(sub) -> None:
     p.add_argument("--parallel", choices=("ddp", "fsdp"),
                    help="under torchrun: DistributedDataParallel or FSDP2 sharding (default ddp)")
     p.add_argument("--grad-accum", type=int, help="micro-batches per step on each process (default 1)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16 (printed at the start), else fp32")
     p.add_argument("--expert-parallel", type=int, metavar="S",
                    help="under torchrun: shard every MoE layer's experts over groups of S processes (default 1)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")

@@ -66,7 +66,7 @@ class TrainConfig:
     skip_bad_steps: int = 0  # steps with a non-finite loss/gradient to skip before stopping
     parallel: str | None = None  # "ddp" | "fsdp" under torchrun (default ddp)
     grad_accum: int = 1  # micro-batches per optimizer step (per process)
-    dtype: str | None = None  # "fp32" | "bf16" (default: bf16 on CUDA, fp32 on CPU)
+    dtype: str | None = None  # "fp32" | "bf16" (default: device.default_dtype)
     compile: bool = False  # torch.compile each block
     expert_parallel: int = 1  # processes sharing one layer's experts (torchrun)
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from ..device import default_dtype, dtype_note
 from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.lm import build_model
@@ -134,7 +135,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
     mc = model_config(tc)
     out = Path(tc.out) if tc.out else default_out(tc, mc)
     mode = tc.parallel or "ddp"
-    dtype = tc.dtype or ("bf16" if d.device.type == "cuda" else "fp32")
+    dtype = tc.dtype or default_dtype(d.device)  # bf16 on CUDA and on AMX / AVX512-BF16 CPUs
     if tc.batch_size % (d.world * tc.grad_accum):
         raise UserError(f"--batch-size {tc.batch_size} must be a multiple of processes x --grad-accum "
                         f"({d.world} x {tc.grad_accum})")
@@ -148,6 +149,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             data = _text_data(tc, mc, out, stored, d)
         if tc.progress and d.main:
             print(data.note + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
+            print(dtype_note(d.device, dtype, tc.dtype), file=sys.stderr)
         if d.main:  # all input is valid: only now is the output folder touched
             if tc.force and not tc.resume:
                 ck.remove_run(out)
