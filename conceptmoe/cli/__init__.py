@@ -2,8 +2,9 @@
 
 Each module in this package registers its subcommands with ``register(subparsers)`` and sets
 ``func`` on its parser; ``func(args)`` returns an exit code. ``UserError``, ``ValueError`` and
-file errors become a one-line ``error: ...`` on stderr and exit code 2; a run stopped by a signal
-(``Interrupted``) prints one line and exits 128 + the signal.
+file errors become a one-line ``error: ...`` on stderr and exit code 2, and so does any other
+``OSError`` (a read-only file system, a full disk); a run stopped by a signal (``Interrupted``)
+prints one line and exits 128 + the signal.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the exit flush does not fail again
         return 141
+    except OSError as e:  # EROFS, ENOSPC, EDQUOT, EIO...: the system's reason and the path
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from ..interop.convert import STRATEGIES, convert_run
 from ..model.config import parse_overrides
 from ..model.flops import count_flops
 from ..training.checkpoint import model_config_of, read_run_config
-from .args import finite_float
+from .args import finite_float, seed
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the concept layers) or loop (loop count); layers is refused (new parameters)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a ConceptMoE field, e.g. --set concept_pooling=mean (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the new modules' init (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the new modules' init (default 0)")
     p.add_argument("--force", action="store_true", help="replace a run already in --out")
     p.set_defaults(func=cmd_convert)
 

@@ -10,7 +10,9 @@ import torch
 from ..errors import UserError
 from ..inference.text import MARK, TextStats, stream_text
 from ..training.checkpoint import load_run
-from .args import finite_float
+from .args import finite_float, seed
+
+MAX_NEW_TOKENS = 1_000_000  # the KV cache grows with the text; far beyond any length a run was trained at
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,11 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "(concept-level cache for ConceptMoE), streaming it as it comes.")
     p.add_argument("run", metavar="RUN", help="run directory written by `conceptmoe train`")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help=f"tokens to generate (default 200, at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--temperature", type=finite_float, default=1.0, help="0 = greedy (default 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling threshold in (0, 1]")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
     p.add_argument("--show-concepts", action="store_true",
                    help=f"print '{MARK}' before every token that starts a concept (ConceptMoE)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
@@ -31,8 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens must be in [1, {MAX_NEW_TOKENS}] (got {args.max_new_tokens})")
     if not args.temperature >= 0 or args.temperature == float("inf") or \
             (args.top_k is not None and args.top_k < 1) or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise UserError("need a finite --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")

@@ -23,8 +23,9 @@ from ..training.config import DEFAULT_STRATEGY, TrainConfig, resolve_train_confi
 from ..data.corpus import read_text_file
 from ..evaluation.evaluate import evaluate
 from ..training.train import train
-from .args import finite_float
+from .args import finite_float, seed
 
+MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
 _TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
                 "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
@@ -67,7 +68,7 @@ def _register_train(sub) -> None:
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--tokens", type=int, help="training tokens instead of --max-steps (default 1.6M; steps = tokens / (batch x seq-len))")
     p.add_argument("--save-every", type=int, help="steps between checkpoints (default 100)")
-    p.add_argument("--seed", type=int, help="random seed (default 0)")
+    p.add_argument("--seed", type=seed, help="random seed (default 0)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the steps)")
     p.add_argument("--chunk-lr-mult", type=finite_float, help="learning-rate multiplier of the chunk router (default 1)")
     p.add_argument("--eval-every", type=int, help="steps between validations (default: 10 per run; 0: off)")
@@ -86,6 +87,9 @@ def _register_train(sub) -> None:
                         "optimizer, new schedule); --set may change fields that keep the weights' shapes")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--force", action="store_true", help="replace a run already in --out")
+    p.add_argument("--verify", action="store_true",
+                   help="--data from `conceptmoe prepare`: check every shard's SHA-256 against the manifest "
+                        "first (done on --resume anyway; sizes are always checked)")
     p.set_defaults(func=cmd_train)
 
 
@@ -101,7 +105,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         given["strategy"] = None
     elif "strategy" not in given and not args.resume and "init" not in given and given.get("model") != "moe":
         given["strategy"] = DEFAULT_STRATEGY  # a resumed run keeps what it was started with
-    return resolve_train_config(given, args.resume, args.force)
+    tc = resolve_train_config(given, args.resume, args.force)
+    tc.verify = bool(getattr(args, "verify", False))
+    return tc
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -145,6 +151,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if is_vlm_run(args.run):  # the digits task: text loss, answer accuracy, compression per modality
         from ..evaluation.evaluate import evaluate_vlm_run
+
+        given = [f for f, v in (("--data", args.data), ("--val-tokens", args.val_tokens),
+                                ("--batch-size", args.batch_size)) if v is not None]
+        if given:
+            raise UserError(f"{args.run} is a vision-language run, measured on the fixed held-out digit examples: "
+                            f"leave out {', '.join(given)}")
         from ..training.digits import log_line
 
         res = evaluate_vlm_run(args.run, args.device)
@@ -171,6 +183,11 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         raise UserError("--data and --val-tokens apply to the plain validation, not to --tasks")
     if args.limit is not None and args.limit < 1:
         raise UserError("--limit must be a positive integer")
+    from ..evaluation.evaluate import is_vlm_run
+
+    if is_vlm_run(args.run):
+        raise UserError(f"{args.run} is a vision-language run (word vocabulary, images); --tasks evaluates text "
+                        f"models: use conceptmoe eval {args.run}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device)
     print(json.dumps(res, sort_keys=True) if args.json else format_table(res))
@@ -265,7 +282,7 @@ def _register_boundaries(sub) -> None:
     src.add_argument("--file", help="UTF-8 file to chunk")
     p.add_argument("--html", metavar="OUT", help="also write an HTML page here")
     p.add_argument("--examples", type=int, default=4,
-                   help="vlm-digits runs: held-out image-text examples to show (default 4)")
+                   help=f"vlm-digits runs: held-out image-text examples to show (default 4, at most {MAX_EXAMPLES})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_boundaries)
 
@@ -291,8 +308,9 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
 def _vlm_boundaries(args: argparse.Namespace) -> int:
     from ..evaluation.boundaries import find_vlm_boundaries, render_vlm_html, render_vlm_terminal
 
-    if args.text is not None or args.file is not None or args.examples < 1:
-        raise UserError("a vlm-digits run shows held-out examples: use --examples N (N >= 1), not --text/--file")
+    if args.text is not None or args.file is not None or not 1 <= args.examples <= MAX_EXAMPLES:
+        raise UserError(f"a vlm-digits run shows held-out examples: use --examples N (1 <= N <= {MAX_EXAMPLES}), "
+                        "not --text/--file")
     views = find_vlm_boundaries(args.run, args.examples, args.device)
     print(render_vlm_terminal(views))
     if args.html:

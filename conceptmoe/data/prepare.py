@@ -25,6 +25,7 @@ over).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,16 +39,20 @@ from ..errors import UserError
 from ..files import write_json
 from .corpus import DOC_SEP, MIN_TAIL_CHARS, SPLIT_RULE, SplitRule
 from ..lock import LOCK_NAME, RunLock
-from .shards import FORMAT, MANIFEST, PROGRESS, SPLITS, TOKENIZER, VERSION, dtype_for, read_progress, shard_name
+from .shards import (FORMAT, MANIFEST, PROGRESS, SPLITS, TOKENIZER, VERSION, dtype_for, file_sha256, read_progress,
+                     shard_name)
+from .tokenizer import BYTE_ALPHABET
 from .sources import fingerprint, iter_documents
 from .tokenizer import load_tokenizer, pieces, save_tokenizer, sha256, splits_safely, train_tokenizer
 
 DEFAULT_VOCAB = 4096  # the small preset's vocabulary
+MAX_VOCAB = 1 << 24  # a trained tokenizer's largest vocabulary (the largest released ones hold ~256k)
 SHARD_TOKENS = 1 << 26  # ~67M tokens, 128 MiB as uint16
 SAMPLE_MB = 32.0  # million characters of training text the tokenizer learns from
 PIECE_CHARS = 1 << 14  # characters per encoded piece
 BATCH_CHARS = 1 << 19  # characters per encode_batch call (~100 bytes per token while encoding)
 PASSES = ("long", "short")
+TEXT_PROBE = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer 42 times"
 
 
 @dataclass
@@ -67,10 +72,23 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         if self.tokenizer and self.vocab_size is not None:
             raise UserError("give --tokenizer or --vocab-size, not both")
+        if self.vocab_size is not None and not BYTE_ALPHABET <= self.vocab_size <= MAX_VOCAB:
+            raise UserError(f"--vocab-size must be in [{BYTE_ALPHABET}, {MAX_VOCAB}]: a byte-level BPE holds the "
+                            f"{BYTE_ALPHABET} byte symbols (got {self.vocab_size})")
         if self.shard_tokens < 1 or not self.sample_mb > 0:
             raise UserError("--shard-tokens and --sample-mb must be positive")
         if not self.text_field:
             raise UserError("--text-field must not be empty")
+
+
+def check_text_tokenizer(tok: Tokenizer, path: str) -> None:
+    """Refuse a tokenizer that turns ordinary text into its unknown token (a word-level
+    vocabulary such as a vision-language run's): every document would become ``<unk>``."""
+    unk = (json.loads(tok.to_str()).get("model") or {}).get("unk_token")
+    unk_id = tok.token_to_id(unk) if isinstance(unk, str) else None
+    if unk_id is not None and unk_id in tok.encode(TEXT_PROBE).ids:
+        raise UserError(f"tokenizer {path} encodes ordinary text as its unknown token {unk!r} (a fixed word "
+                        "vocabulary, e.g. a vision-language run's): use a byte-level tokenizer or leave out --tokenizer")
 
 
 def _utf8_len(text: str) -> int:
@@ -218,9 +236,13 @@ def _start(out: Path, options: dict, force: bool) -> dict | None:
     for p in out.iterdir():  # shards written after the last recorded position are made again
         if p.is_file() and p.name.endswith((".bin", ".tmp")) and p.name not in done:
             p.unlink()
-    for name in done:
-        if not (out / name).is_file():
-            raise UserError(f"{out}: shard {name} of the unfinished prepare is missing; pass --force to start over")
+    for split in SPLITS:  # the shards already made are read again only by their hashes: check them
+        for s in state["splits"][split]["shards"]:
+            f = out / s["file"]
+            if not f.is_file() or f.stat().st_size != s["tokens"] * np.dtype(state["dtype"]).itemsize \
+                    or file_sha256(f) != s["sha256"]:
+                raise UserError(f"{out}: shard {s['file']} of the unfinished prepare is missing or changed; "
+                                "pass --force to start over")
     return state
 
 
@@ -228,6 +250,8 @@ def prepare(cfg: PrepareConfig) -> Path:
     """Tokenize ``cfg.data`` into shards under ``cfg.out`` (or finish an interrupted run); returns it."""
     out = Path(cfg.out)
     given = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    if given is not None:
+        check_text_tokenizer(given, cfg.tokenizer)
     options = {"source": str(Path(cfg.data).resolve()), "fingerprint": fingerprint(cfg.data),
                "text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens,
                "tokenizer": sha256(given) if given else None,

@@ -63,12 +63,16 @@ def is_prepared(data: str | Path | None) -> bool:
 
 
 class TokenView:
-    """Read-only concatenation of 1-D token arrays (memory maps): ``len`` and ``[a:b]`` slices."""
+    """Read-only concatenation of 1-D token arrays (memory maps): ``len`` and ``[a:b]`` slices.
 
-    def __init__(self, parts: list[np.ndarray], dtype: np.dtype) -> None:
+    ``limit``: the vocabulary the ids belong to; a slice holding an id >= ``limit`` (a damaged
+    shard) is a one-line error naming ``where``, never an index error inside the model."""
+
+    def __init__(self, parts: list[np.ndarray], dtype: np.dtype, limit: int | None = None, where: str = "") -> None:
         self.parts = [p for p in parts if len(p)]
         self.dtype = dtype
         self.ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
+        self.limit, self.where = limit, where
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
@@ -82,7 +86,7 @@ class TokenView:
         start, stop, step = key.indices(len(self))
         if step != 1:
             raise ValueError("TokenView slices take step 1")
-        out = []
+        first, out = start, []
         k = int(np.searchsorted(self.ends, start, side="right"))
         while start < stop:
             begin = int(self.ends[k]) - len(self.parts[k])
@@ -90,7 +94,11 @@ class TokenView:
             out.append(take)
             start += len(take)
             k += 1
-        return np.concatenate(out) if out else np.zeros(0, dtype=self.dtype)
+        ids = np.concatenate(out) if out else np.zeros(0, dtype=self.dtype)
+        if self.limit is not None and len(ids) and int(ids.max()) >= self.limit:
+            raise UserError(f"{self.where}: token id {int(ids.max())} in positions {first:,}+ is outside the "
+                            f"tokenizer's {self.limit} entries; the shards are damaged: prepare the data again")
+        return ids
 
 
 @dataclass
@@ -159,10 +167,12 @@ def read_progress(path: Path) -> dict:
 
 
 def open_prepared(data: str | Path, verify: bool = False) -> Prepared:
-    """Open a prepared directory: shards memory-mapped, sizes checked (and hashes with ``verify``)."""
+    """Open a prepared directory: shards memory-mapped, sizes checked (and hashes with ``verify``);
+    every slice read later checks its ids against the tokenizer's vocabulary (``TokenView``)."""
     path = Path(data).resolve()
     m, digest = read_manifest(path)
     dtype = np.dtype(m["dtype"])
+    limit = (m.get("tokenizer") or {}).get("vocab_size")
     views = {}
     for split in SPLITS:
         parts = []
@@ -173,7 +183,7 @@ def open_prepared(data: str | Path, verify: bool = False) -> Prepared:
             if verify and file_sha256(f) != s["sha256"]:
                 raise UserError(f"shard {f} does not match its hash in the manifest; prepare {path} again")
             parts.append(np.memmap(f, dtype=dtype, mode="r"))
-        views[split] = TokenView(parts, dtype)
+        views[split] = TokenView(parts, dtype, limit, f"{path} ({split} shards)")
     return Prepared(path, m, digest, views["train"], views["val"])
 
 

@@ -120,11 +120,27 @@ def _parquet(path: Path, field: str) -> Iterator[Document]:
     if field not in names:
         raise UserError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pass --text-field")
     row = 0
-    for batch in pf.iter_batches(batch_size=PARQUET_BATCH, columns=[field]):
-        for value in batch.column(0).to_pylist():
+    for values in _columns(pf, path, field):
+        for value in values:
             row += 1
             if value is None:
                 continue  # a missing text is an empty document
             if not isinstance(value, str):
                 raise UserError(f"{path}: row {row}: column {field!r} holds {type(value).__name__}, not text")
             yield Document(f"{path.name}:{row}", value)
+
+
+def _columns(pf, path: Path, field: str) -> Iterator[list]:
+    """The values of column ``field``, one record batch at a time; a damaged page (bad header,
+    truncated or undecodable data) is a one-line error naming the rows read so far."""
+    batches, rows = pf.iter_batches(batch_size=PARQUET_BATCH, columns=[field]), 0
+    while True:
+        try:
+            values = next(batches).column(0).to_pylist()
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow: OSError (thrift, end of stream), ArrowInvalid; bad UTF-8
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"{path}: damaged parquet data after row {rows} ({msg})") from None
+        rows += len(values)
+        yield values

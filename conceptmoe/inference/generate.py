@@ -26,6 +26,8 @@ import torch
 from ..model.lm import LanguageModel
 from .steps import decode_step, prefill
 
+PREALLOCATE = 4096  # new tokens' cache entries reserved at prefill; beyond that the cache grows by blocks
+
 
 @dataclass
 class Step:
@@ -113,7 +115,9 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         seqs = [ids[i, :int(lengths[i])].tolist() for i in range(B)]
         boundary = None
         if use_cache:
-            out, state = prefill(model, ids, lengths, extra_capacity=max_new_tokens, pixel_values=pixel_values)
+            # The cache grows by blocks as needed: a huge max_new_tokens must not be allocated up front.
+            out, state = prefill(model, ids, lengths, extra_capacity=min(max_new_tokens, PREALLOCATE),
+                                 pixel_values=pixel_values)
             logits = out.logits
             if state_out is not None:
                 state_out.append(state)

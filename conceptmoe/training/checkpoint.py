@@ -29,7 +29,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from ..device import resolve_device  # noqa: F401  (part of this module's API)
 from ..errors import UserError
-from ..files import write_json  # noqa: F401  (part of this module's API)
+from ..files import set_modes, write_json  # noqa: F401  (write_json: part of this module's API)
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 from ..data.tokenizer import load_tokenizer
@@ -104,6 +104,7 @@ def save_checkpoint(run_dir: str | Path, model: torch.nn.Module, optimizer: torc
     save_file(tensors, tmp / "optimizer.safetensors")
     (tmp / "optimizer.json").write_text(json.dumps(meta))
     save_file(rng_state(), tmp / "rng.safetensors")
+    set_modes(tmp)  # safetensors writes 0600 files; the others get the umask's mode
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))  # last: marks complete
     final = _step_dir(run_dir, step)
     if final.exists():  # re-saving a step (rare): move the old one aside, never leave a gap
@@ -240,4 +241,14 @@ def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
                         f"vocabulary has {cfg.vocab_size}; the run is damaged")
     model = build_model(cfg)
     load_weights(model, run_dir / "model.safetensors", "cpu")
+    check_finite(model, run_dir / "model.safetensors")
     return model.to(dev).eval(), cfg, tok, run_cfg
+
+
+def check_finite(model: torch.nn.Module, path: Path) -> None:
+    """Refuse weights holding NaN or infinities (a diverged run): every output would be NaN."""
+    for name, t in model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise UserError(f"{path} holds {bad} NaN/infinite value(s) in {name}: the run's weights have diverged; "
+                            "resume from an earlier checkpoint or train again")

@@ -26,6 +26,7 @@ DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: ~10-12 min on 2 
 STRATEGIES = ("topk", "layers", "loop")
 DEFAULT_STRATEGY = "topk"  # what `conceptmoe train` matches a ConceptMoE by when --strategy is not given
 MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
+MAX_SEED = 2**32 - 1  # seeds are mixed with step counts into 64-bit generator seeds (loop.py, corpus.py)
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight", "router_confidence_weight",
                 "concept_pooling", "joint_decoding")
@@ -75,6 +76,7 @@ class TrainConfig:
     resume: bool = False
     force: bool = False
     progress: bool = True
+    verify: bool = False  # check every prepared shard's SHA-256 before training (always done on --resume)
 
     def __post_init__(self) -> None:
         if self.model not in ("conceptmoe", "moe"):
@@ -104,6 +106,8 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be a finite number (got {v!r})")
         if self.seq_len < 2:
             raise UserError("--seq-len must be at least 2")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be an integer in [0, {MAX_SEED}] (got {self.seed!r})")
         if not self.lr > 0 or self.grad_clip <= 0 or self.chunk_lr_mult < 0:
             raise UserError("--lr and grad_clip must be > 0 and chunk_lr_mult >= 0")
         if not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0:
@@ -118,11 +122,14 @@ class TrainConfig:
             if self.out and Path(self.out).resolve() == Path(self.init):
                 raise UserError("--init and --out must be different runs")
             self.model = self.init_model.get("kind", "conceptmoe")
+            if self.init_model.get("image_size") and self.data != VLM_DATA:
+                raise UserError(f"--init {self.init} is a vision-language run (word vocabulary, images): it "
+                                f"continues only on --data {VLM_DATA}")
             self.tokenizer = self.tokenizer or str(Path(self.init) / "tokenizer.json")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for transient in ("resume", "force", "progress"):
+        for transient in ("resume", "force", "progress", "verify"):
             d.pop(transient)
         return d
 

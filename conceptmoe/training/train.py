@@ -101,7 +101,8 @@ def train(tc: TrainConfig) -> Path:
 
 def _text_data(tc: TrainConfig, mc: ModelConfig, out: Path, stored: dict | None, d: Dist) -> TaskData:
     """Plain text (file, folder, .jsonl, the default corpus) or `conceptmoe prepare` shards."""
-    prep = open_prepared(tc.data) if is_prepared(tc.data) else None
+    # Shard hashes: with --verify, and on --resume (the shards may have changed since the run began).
+    prep = open_prepared(tc.data, verify=tc.verify or stored is not None) if is_prepared(tc.data) else None
     corpus = prep or load_corpus(tc.data, legacy_split=stored is not None and "data" not in stored)
     record = corpus.record()  # fingerprints all the text once
     if stored is not None:
