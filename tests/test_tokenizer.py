@@ -5,8 +5,8 @@ import pytest
 
 from conceptmoe.data.corpus import DOC_SEP
 from conceptmoe.errors import UserError
-from conceptmoe.data.tokenizer import (byte_lengths, encode, encode_documents, load_tokenizer,
-                                  save_tokenizer, train_tokenizer)
+from conceptmoe.data.tokenizer import (EOT, PAD, byte_lengths, encode, encode_documents, load_tokenizer,
+                                       save_tokenizer, splits_safely, train_tokenizer)
 
 SAMPLE = ("To be, or not to be, that is the question:\n"
           "Whether 'tis nobler in the mind to suffer\n") * 20
@@ -52,10 +52,20 @@ def test_vocab_256_is_pure_bytes():
     assert len(encode(t, ODD)) == len(ODD.encode("utf-8"))
 
 
-def test_documents_joined_by_separator(tok):
+def test_documents_joined_by_end_of_text(tok):
+    """Room for special tokens: <|endoftext|> and <|pad|> inside the vocabulary, end-of-text between
+    documents (no bytes); a 256-entry (pure bytes) tokenizer separates with DOC_SEP as before."""
+    eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
+    assert {eot, pad} == {0, 1} and tok.get_vocab_size() <= 300
     ids = encode_documents(tok, ["first doc", "second"], DOC_SEP)
-    assert tok.decode(ids.tolist()) == "first doc" + DOC_SEP + "second"
-    assert ids.dtype == np.int32
+    assert ids.tolist() == [*tok.encode("first doc").ids, eot, *tok.encode("second").ids]
+    assert tok.decode(ids.tolist()) == "first docsecond"  # special tokens stand for no text
+    assert byte_lengths(tok, 300)[[eot, pad]].tolist() == [0, 0] and ids.dtype == np.int32
+    assert splits_safely(tok)
+    pure = train_tokenizer([SAMPLE], 256)
+    assert pure.token_to_id(EOT) is None and pure.get_vocab_size() == 256
+    ids = encode_documents(pure, ["first doc", "second"], DOC_SEP)
+    assert pure.decode(ids.tolist()) == "first doc" + DOC_SEP + "second"
 
 
 def test_too_small_vocab_and_bad_file(tmp_path):

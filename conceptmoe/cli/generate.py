@@ -10,6 +10,7 @@ import torch
 from ..errors import UserError
 from ..inference.text import MARK, TextStats, stream_text
 from ..training.checkpoint import load_run
+from ..training.conventions import eos_list, token_ids
 from .args import finite_float, seed
 
 MAX_NEW_TOKENS = 1_000_000  # the KV cache grows with the text; far beyond any length a run was trained at
@@ -39,13 +40,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.temperature >= 0 or args.temperature == float("inf") or \
             (args.top_k is not None and args.top_k < 1) or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise UserError("need a finite --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
-    model, _, tok, _ = load_run(args.run, args.device)
+    model, _, tok, run_cfg = load_run(args.run, args.device)
+    eos = eos_list(token_ids(run_cfg, tok)) or None  # stop at end-of-text (runs made before it: never)
     gen = None
     if args.seed is not None:
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
     stats = TextStats()
     for piece in stream_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, gen, args.show_concepts, stats):
+                             args.top_p, gen, args.show_concepts, stats, eos):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -44,6 +44,7 @@ from .shards import (FORMAT, MANIFEST, PROGRESS, SPLITS, TOKENIZER, VERSION, dty
 from .tokenizer import BYTE_ALPHABET
 from .sources import fingerprint, iter_documents
 from .tokenizer import load_tokenizer, pieces, save_tokenizer, sha256, splits_safely, train_tokenizer
+from .tokenizer import byte_lengths, separator_ids
 
 DEFAULT_VOCAB = 4096  # the small preset's vocabulary
 MAX_VOCAB = 1 << 24  # a trained tokenizer's largest vocabulary (the largest released ones hold ~256k)
@@ -149,7 +150,8 @@ class ShardWriter:
         self.out, self.tok, self.state, self.batch_chars = out, tok, state, batch_chars
         self.dtype = np.dtype(state["dtype"])
         self.cut = splits_safely(tok)  # else documents are encoded whole
-        self.sep = np.asarray(tok.encode(DOC_SEP).ids, dtype=self.dtype)
+        self.sep = np.asarray(separator_ids(tok, DOC_SEP), dtype=self.dtype)  # end-of-text, or DOC_SEP's
+        self.sep_bytes = int(byte_lengths(tok)[self.sep].sum())  # 0 for end-of-text
         self.pending: list[tuple[str, bool, str]] = []  # (split, after a separator, text)
         self.pending_chars = 0
         self.open: dict[str, tuple] = {}  # split -> (file, sha256, tokens)
@@ -160,7 +162,7 @@ class ShardWriter:
         sep = s["documents"] > 0
         s["documents"] += 1
         s["chars"] += len(text)
-        s["bytes"] += _utf8_len(text) + (len(DOC_SEP.encode()) if sep else 0)
+        s["bytes"] += _utf8_len(text) + (self.sep_bytes if sep else 0)
         for i, piece in enumerate(pieces(text, PIECE_CHARS) if self.cut else [text]):
             self.pending.append((split, sep and i == 0, piece))
             self.pending_chars += len(piece)

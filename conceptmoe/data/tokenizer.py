@@ -7,8 +7,15 @@ Byte-level means every UTF-8 string encodes (no unknown token) and decodes back 
 vocabulary entry is a string over the 256-symbol byte alphabet, one symbol per byte, so
 ``byte_lengths`` gives the exact number of UTF-8 bytes every token stands for; bits per byte is
 then the summed negative log-likelihood in bits over the summed byte lengths of the predicted
-tokens. No special tokens: documents are separated by plain text (``data.DOC_SEP``), which keeps
-even a 256-entry vocabulary (pure bytes, the ``tiny`` preset) valid.
+tokens.
+
+Special tokens (issue 19): a tokenizer trained here with room for them (``vocab_size`` >= 258)
+holds ``<|endoftext|>`` (id 0) and ``<|pad|>`` (id 1) inside its vocabulary. Training puts
+end-of-text between documents (``separator_ids``), ``conceptmoe generate`` stops at it and
+exports name it as EOS. They stand for no bytes (``byte_lengths`` 0). A 256-entry vocabulary
+(pure bytes, the ``tiny`` preset) has no room: it, and every tokenizer made before special
+tokens existed, separates documents with the plain text ``DOC_SEP`` as before, so old runs and
+prepared folders keep their token streams.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..errors import UserError
 
 BYTE_ALPHABET = 256
+EOT, PAD = "<|endoftext|>", "<|pad|>"
+SPECIAL = (EOT, PAD)
 # A place where the byte-level pre-tokenizer always splits: a space after a printable ASCII
 # character and before an ASCII letter (its regex has no lookbehind, so a token never spans it).
 _SAFE_CUT = re.compile(r"[!-~] [A-Za-z]")
@@ -37,7 +46,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
+    special = list(SPECIAL) if vocab_size >= BYTE_ALPHABET + len(SPECIAL) else []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return tok
@@ -66,9 +76,17 @@ def encode(tok: Tokenizer, text: str) -> np.ndarray:
     return np.asarray(tok.encode(text).ids, dtype=np.int32)
 
 
+def separator_ids(tok: Tokenizer, sep: str) -> list[int]:
+    """Ids between two documents: end-of-text if the tokenizer has it, else the text ``sep``'s."""
+    eot = tok.token_to_id(EOT)
+    if eot is not None:
+        return [eot]
+    return tok.encode(sep).ids if sep else []
+
+
 def encode_documents(tok: Tokenizer, texts: list[str], sep: str) -> np.ndarray:
-    """Token ids of ``sep.join(texts)``, tokenizing documents in parallel (``sep`` kept apart)."""
-    sep_ids = tok.encode(sep).ids if sep else []
+    """Token ids of the documents joined by ``separator_ids(tok, sep)`` (tokenized in parallel)."""
+    sep_ids = separator_ids(tok, sep)
     parts: list[int] = []
     for i, enc in enumerate(tok.encode_batch(texts)):
         if i:
@@ -81,8 +99,9 @@ def byte_lengths(tok: Tokenizer, size: int | None = None) -> np.ndarray:
     """(size,) int64: UTF-8 bytes each token id stands for (0 for ids the tokenizer lacks)."""
     n = size or tok.get_vocab_size()
     out = np.zeros(n, dtype=np.int64)
+    special = {t for t in SPECIAL if tok.token_to_id(t) is not None}
     for piece, i in tok.get_vocab().items():
-        if i < n:
+        if i < n and piece not in special:
             out[i] = len(piece)  # one byte-alphabet symbol per byte
     return out
 
@@ -94,10 +113,12 @@ def sha256(tok: Tokenizer) -> str:
 
 def splits_safely(tok: Tokenizer) -> bool:
     """Whether ``pieces`` leaves this tokenizer's ids unchanged: a plain byte-level BPE like
-    ``train_tokenizer``'s (no normalizer, added tokens, prefix space or post-processing)."""
+    ``train_tokenizer``'s (no normalizer, added tokens other than its special ones, prefix space or
+    post-processing). The special tokens hold no space, so ``pieces`` never cuts through one."""
     d = json.loads(tok.to_str())
     pre = d.get("pre_tokenizer") or {}
-    return (not d.get("added_tokens") and d.get("normalizer") is None and d.get("truncation") is None
+    added = {t.get("content") for t in d.get("added_tokens") or []}
+    return (added <= set(SPECIAL) and d.get("normalizer") is None and d.get("truncation") is None
             and pre.get("type") == "ByteLevel" and pre.get("use_regex") and not pre.get("add_prefix_space")
             and (d.get("post_processor") or {"type": "ByteLevel"}).get("type") == "ByteLevel")
 

@@ -6,7 +6,7 @@ real tokens must be contiguous (left padding, the Hugging Face convention, or ri
 Internally rows are moved to the left edge (right padding) and the caches are ragged: each
 row has its own token count and, for ConceptMoE, its own concept count (``cache.py``).
 The result is ``input_ids`` followed by the new tokens: (B, T + max_new_tokens); rows that
-emitted ``eos_token_id`` are filled with it afterwards.
+emitted ``eos_token_id`` (an id or a list of ids) are filled with it (the first) afterwards.
 
 ``stream(...)`` yields one ``Step`` per new token (for the CLI's streaming output);
 ``use_cache=False`` recomputes the full forward pass every step: the slow, obviously-correct
@@ -99,7 +99,7 @@ def _forward_last(model, seqs: list[list[int]], device, pixel_values=None) -> to
 
 @torch.no_grad()
 def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+           top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
            attention_mask: torch.Tensor | None = None, use_cache: bool = True,
            generator: torch.Generator | None = None, state_out: list | None = None,
            pixel_values: torch.Tensor | None = None) -> Iterator[Step]:
@@ -109,6 +109,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
     ids, lengths = compact(input_ids, attention_mask)
     B, dev = ids.shape[0], ids.device
+    eos = _eos_ids(eos_token_id, dev)
     was_training = model.training
     model.eval()
     try:
@@ -126,9 +127,9 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         for n in range(max_new_tokens):
             tok = sample(logits, temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                tok = torch.where(finished, torch.full_like(tok, eos_token_id), tok)
-                finished = finished | (tok == eos_token_id)
+            if eos is not None:
+                tok = torch.where(finished, torch.full_like(tok, int(eos[0])), tok)
+                finished = finished | torch.isin(tok, eos)
             yield Step(tok, finished.clone(), boundary)
             if n == max_new_tokens - 1 or bool(finished.all()):
                 return
@@ -143,25 +144,33 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         model.train(was_training)
 
 
+def _eos_ids(eos_token_id: int | list[int] | None, device) -> torch.Tensor | None:
+    """(n,) the ids that end a row, or None."""
+    if eos_token_id is None or (isinstance(eos_token_id, (list, tuple)) and not eos_token_id):
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
              attention_mask: torch.Tensor | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
     """The prompt followed by ``max_new_tokens`` new tokens per row: (B, T + N)."""
     new = [s.tokens for s in stream(model, input_ids, max_new_tokens, temperature, top_k, top_p,
                                     eos_token_id, attention_mask, use_cache, generator, pixel_values=pixel_values)]
     B, N = input_ids.shape[0], max_new_tokens
-    out = torch.full((B, N), eos_token_id if eos_token_id is not None else 0,
-                     dtype=input_ids.dtype, device=input_ids.device)
+    eos = _eos_ids(eos_token_id, "cpu")
+    out = torch.full((B, N), int(eos[0]) if eos is not None else 0, dtype=input_ids.dtype, device=input_ids.device)
     if new:
         out[:, :len(new)] = torch.stack(new, 1)
     return torch.cat([input_ids, out], 1)
 
 
 def _generate_method(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                     top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-                     attention_mask: torch.Tensor | None = None, use_cache: bool = True,
-                     generator: torch.Generator | None = None,
+                     top_k: int | None = None, top_p: float | None = None,
+                     eos_token_id: int | list[int] | None = None, attention_mask: torch.Tensor | None = None,
+                     use_cache: bool = True, generator: torch.Generator | None = None,
                      pixel_values: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``inference/generate.py``."""
     return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,

@@ -58,8 +58,9 @@ def render(tok, ids: list[int], starts: set[int], show: bool) -> str:
 def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float = 1.0,
                 top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None, show_concepts: bool = False,
-                stats: TextStats | None = None) -> Iterator[str]:
-    """Yield the continuation of ``prompt`` as text pieces (concatenated: the whole new text)."""
+                stats: TextStats | None = None, eos_token_id: int | list[int] | None = None) -> Iterator[str]:
+    """Yield the continuation of ``prompt`` as text pieces (concatenated: the whole new text);
+    it ends early at ``eos_token_id`` (the run's end-of-text), which is not printed."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     ids = tok.encode(prompt).ids
@@ -87,12 +88,17 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
         return piece
 
     x = torch.tensor([ids], device=dev)
-    for step in stream(model, x, max_new_tokens, temperature, top_k, top_p,
+    ended = False
+    for step in stream(model, x, max_new_tokens, temperature, top_k, top_p, eos_token_id=eos_token_id,
                        generator=generator, state_out=states):
+        if bool(step.finished[0]):  # end of text: not printed; the token before it has been fed
+            stats.new_tokens += 1
+            ended = True
+            break
         all_ids.append(int(step.tokens[0]))
         stats.new_tokens += 1
         yield release(False)
-    if show:  # feed the last token too, to learn whether it starts a concept
+    if show and not ended:  # feed the last token too, to learn whether it starts a concept
         decode_step(model, states[0], torch.tensor([all_ids[-1]], device=dev))
     yield release(True)
     stats.seconds = time.perf_counter() - t0

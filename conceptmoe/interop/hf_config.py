@@ -104,8 +104,27 @@ def _check_dense_free(hf: dict[str, Any], arch: str) -> None:
         _refuse("use_sliding_window", True, f"sliding-window attention in layers below max_window_layers={upto}")
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig (kind ``moe``) computing what the HF checkpoint's config describes."""
+def _token_ids(hf: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:
+    """bos/eos/pad ids of a checkpoint: ``generation_config.json``'s where it names them (what
+    transformers' ``generate`` uses), else ``config.json``'s; each None, an id or (EOS) a list."""
+    out = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        src = generation if isinstance(generation, dict) and generation.get(key) is not None else hf
+        value = src.get(key)
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and
+                                         0 <= i < int(hf.get("vocab_size", 0)) for i in ids):
+            name = "generation_config.json" if src is generation else "config.json"
+            raise UserError(f"{name}: {key}={value!r} is not a token id below vocab_size={hf.get('vocab_size')}")
+        out[key] = value
+    return out
+
+
+def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """The ModelConfig (kind ``moe``) computing what the HF checkpoint's config describes.
+
+    ``generation``: the checkpoint's ``generation_config.json``, if any (its token ids win).
+    """
     arch = arch_of(hf)
     unknown = sorted(set(hf) - BOOKKEEPING - COMMON - PER_ARCH[arch])
     if unknown:
@@ -140,7 +159,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attn_bias=("qkv" if arch == "qwen2_moe" else "qkvo") if bias else "none",
             balance_loss_weight=float(hf.get("router_aux_loss_coef", 0.01)),
-            extra={"hf_architecture": ARCHS[arch]})
+            extra={"hf_architecture": ARCHS[arch], "token_ids": _token_ids(hf, generation)})
         if arch == "qwen2_moe":
             shared = int(hf.get("shared_expert_intermediate_size", 0))
             if shared < 1:

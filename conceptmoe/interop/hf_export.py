@@ -4,8 +4,9 @@ The directory holds::
 
     config.json                 ConceptMoEConfig (model_type "conceptmoe", auto_map, our ModelConfig)
     model.safetensors           the weights (fp32, keys ``model.<our state-dict key>``)
-    generation_config.json      no BOS/EOS (our models have none), pad_token_id
-    tokenizer.json              the run's byte-level BPE plus one added special token ``<|pad|>``
+    generation_config.json      bos/eos/pad ids (``training/conventions.py``: the run's tokenizer's
+                                ``<|endoftext|>`` / ``<|pad|>``, or an imported source's own ids)
+    tokenizer.json              the run's tokenizer (plus ``<|pad|>`` if it has no pad token)
     tokenizer_config.json       (written by transformers' tokenizer ``save_pretrained``)
     configuration_conceptmoe.py / modeling_conceptmoe.py   remote code for ``trust_remote_code=True``
 
@@ -15,9 +16,13 @@ loaded** (transformers can only import installed packages or files of the same f
 the whole method into the folder would fork it). With ``conceptmoe`` imported, ``AutoConfig`` /
 ``AutoModelForCausalLM`` load the directory without ``trust_remote_code`` too (``hf_register.py``).
 
-``<|pad|>`` gets the id after the last tokenizer entry, which may lie outside the model's
-vocabulary: padding never reaches the embedding when ``attention_mask`` is given, and without a
-mask ids outside the vocabulary are taken to be padding (``hf_model.py``).
+``pad_token_id`` (config and generation config) is always an id of the model's vocabulary, since
+``generate`` feeds it to finished rows. A run whose tokenizer has no pad token (made before
+special tokens) gets ``<|pad|>`` added to the tokenizer after its last entry, which may lie
+outside the vocabulary: padding never reaches the embedding when ``attention_mask`` is given,
+without a mask such ids are taken to be padding (``hf_model.py``), and the config's
+``pad_token_id`` is then the EOS or prefix token. ``max_position_embeddings`` is the run's
+maximum length, which lm-evaluation-harness's ``hf`` model reads.
 Needs the optional ``transformers`` dependency (``pip install -e ".[hf]"``).
 """
 
@@ -30,7 +35,7 @@ import torch
 from ..errors import UserError
 from ..files import building
 from ..training.checkpoint import load_run
-from ..data.corpus import DOC_SEP
+from ..training.conventions import eos_list, max_length, prefix_id, token_ids
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
 
 PAD = "<|pad|>"
@@ -54,20 +59,25 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> 
     run, out = Path(run), Path(out)
     if run.resolve() == out.resolve():
         raise UserError("--out must differ from the run directory")
-    model, cfg, tok, _ = load_run(run, "cpu")
+    model, cfg, tok, run_cfg = load_run(run, "cpu")
     model = model.float().eval()
-    hf_tok = tr.PreTrainedTokenizerFast(tokenizer_file=str(run / "tokenizer.json"), pad_token=PAD)
-    sep = tok.encode(DOC_SEP).ids
+    ids = token_ids(run_cfg, tok)
+    eos = eos_list(ids)
+    named = {"bos_token": ids["bos_token_id"], "eos_token": eos[0] if eos else None, "pad_token": ids["pad_token_id"]}
+    names = {k: tok.id_to_token(i) for k, i in named.items() if i is not None and tok.id_to_token(i) is not None}
+    hf_tok = tr.PreTrainedTokenizerFast(tokenizer_file=str(run / "tokenizer.json"), **{"pad_token": PAD, **names})
     pad = hf_tok.pad_token_id
-    config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad if pad < cfg.vocab_size else None,
-                              prefix_token_id=sep[-1] if sep else None,
-                              architectures=["ConceptMoEForCausalLM"])
+    if pad >= cfg.vocab_size:  # generate feeds pad_token_id to finished rows: it must be a token of the model
+        pad = eos[0] if eos else prefix_id(ids, tok)
+    config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad, bos_token_id=ids["bos_token_id"],
+                              eos_token_id=ids["eos_token_id"], prefix_token_id=prefix_id(ids, tok),
+                              max_position_embeddings=max_length(run_cfg), architectures=["ConceptMoEForCausalLM"])
     config.auto_map = dict(AUTO_MAP)
     with torch.device("meta"):  # no random init: the run's own module goes in
         hf = ConceptMoEForCausalLM(config)
     hf.model = model
-    hf.generation_config = tr.GenerationConfig(pad_token_id=pad, bos_token_id=None,
-                                               eos_token_id=None)
+    hf.generation_config = tr.GenerationConfig(pad_token_id=pad, bos_token_id=ids["bos_token_id"],
+                                               eos_token_id=ids["eos_token_id"])
     # Built in a temporary sibling, renamed into place whole; --force replaces, never merges.
     with building(out, "export-hf", force, (out / "config.json").is_file()) as tmp:
         hf.save_pretrained(tmp)  # config, weights, generation config and the remote-code files

@@ -61,9 +61,10 @@ class ConceptMoEConfig(PreTrainedConfig):
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # The token lm-evaluation-harness should put before a document (``prefix_token_id=`` in
-    # ``--model_args``): the last token of the run's document separator. Our models have no BOS.
+    # The token before a document (training/conventions.py): BOS, else EOS, else (runs without
+    # special tokens) the last token of the document separator, for ``--model_args prefix_token_id=``.
     prefix_token_id: int | None = None
+    max_position_embeddings: int | None = None  # the run's maximum length (lm-evaluation-harness reads it)
 
     def __post_init__(self, **kwargs: Any) -> None:
         cfg = self.model_config()
@@ -137,7 +138,7 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             raise TypeError(f"cache must be a ConceptMoECache, got {type(cache).__name__}")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if attention_mask is None and bool((input_ids >= self.model.cfg.vocab_size).any()):
-            # only the export's <|pad|> lies outside the vocabulary: padded ids without a mask
+            # only an added <|pad|> (runs without a pad token) lies outside the vocabulary
             attention_mask = (input_ids < self.model.cfg.vocab_size).long()
         if cache is not None and cache.state is not None:
             logits = self._forward_cached(input_ids, attention_mask, cache)

@@ -38,6 +38,7 @@ from ..model.config import ModelConfig
 from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
+from ..training.conventions import max_length, token_ids
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
 
@@ -163,7 +164,8 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
     if bad:
         raise UserError(f"{src / 'config.json'}: {bad} is {_lookup(hf, bad)!r}; a config needs finite numbers")
     check_out(out, force, replaceable(out))
-    cfg = model_config_from_hf(hf)
+    gen = src / "generation_config.json"  # token ids that transformers' generate uses
+    cfg = model_config_from_hf(hf, _read_json(gen) if gen.is_file() else None)
     tok = load_tokenizer(src / "tokenizer.json")
     if tok.get_vocab_size() > cfg.vocab_size:
         raise UserError(f"tokenizer.json has {tok.get_vocab_size()} tokens, more than vocab_size={cfg.vocab_size}")
@@ -198,7 +200,8 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
         from .hf_export import export_conceptmoe
         return export_conceptmoe(run, out, force)
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
-    model, cfg, _, _ = load_run(run, "cpu")
+    model, cfg, tok, run_cfg = load_run(run, "cpu")
+    hf.update(token_ids(run_cfg, tok), max_position_embeddings=max_length(run_cfg))  # the source's, or ours
     tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
     with building(out, "export-hf", force, replaceable(out)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
