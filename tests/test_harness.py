@@ -23,7 +23,7 @@ from conceptmoe.harness.tasks import NIAH_LENGTHS, build_tasks, ensure_tasks
 from conceptmoe.training.validation import evaluate_tokens
 from conceptmoe.data.tokenizer import byte_lengths
 
-SEQ = 64  # the test runs' training length: rolling windows of 63 predicted tokens
+SEQ = 64  # the test runs' training length: their maximum length, rolling windows of 64 tokens
 TASKS = ["cmoe_nextline", "cmoe_niah_05k"]
 
 
@@ -71,21 +71,22 @@ def test_tasks_are_deterministic_and_well_formed(tmp_path):
 
 
 def test_rolling_windows_are_conceptmoe_evals_windows(run):
-    """Rolling log-likelihood of a text = minus evaluate_tokens' NLL over [prefix] + its tokens."""
+    """Rolling log-likelihood of a text = minus evaluate_tokens' NLL over [prefix] + its tokens
+    (windows of max_length = SEQ input tokens sharing one token: evaluate's at SEQ + 1)."""
     model, cfg, tok, _ = load_run(run, "cpu")
     lm = ConceptMoEHarnessLM(run=str(run))
-    assert lm.rolling_len == SEQ - 1
+    assert lm.max_length == SEQ
     text = ensure_tasks().joinpath("cmoe_heldout_ppl.jsonl").read_text()
     text = json.loads(text)["text"][:3000]
 
     class Req:
         args = (text,)
     tokens = tok.encode(text).ids
-    tokens = tokens[:len(tokens) // (SEQ - 1) * (SEQ - 1)]  # whole windows (see lm.py on the last one)
+    tokens = tokens[:len(tokens) // SEQ * SEQ]  # whole windows
     lm.tok_encode = lambda s, **kw: tokens
     ll = lm.loglikelihood_rolling([Req()], disable_tqdm=True)[0]
     ids = np.array([lm.prefix_token_id, *tokens])
-    ev = evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), SEQ)
+    ev = evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), SEQ + 1)
     assert ev["tokens"] == len(ids) - 1
     nll = ev["val_loss"] * ev["tokens"]
     assert abs(-ll - nll) < 1e-5 * nll, (-ll, nll)
@@ -128,7 +129,7 @@ def test_hf_model_type_on_the_export_equals_our_direct_path(run, tmp_path):
     from lm_eval.models.huggingface import HFLM
 
     hf = HFLM(pretrained=str(tmp_path / "hf"), trust_remote_code=True, prefix_token_id=prefix,
-              max_length=SEQ - 1, batch_size=4, device="cpu")
+              batch_size=4, device="cpu")  # max_length: the export's max_position_embeddings (SEQ)
     text = json.loads((ensure_tasks() / "cmoe_heldout_ppl.jsonl").read_text())["text"]
     reqs = [Instance("loglikelihood_rolling", {}, (text[a:a + n],), 0) for a, n in ((0, 900), (5000, 400), (9000, 31))]
     a = ConceptMoEHarnessLM(run=str(run)).loglikelihood_rolling(reqs, disable_tqdm=True)

@@ -1,26 +1,30 @@
-"""``ConceptMoEHarnessLM``: our models as an lm-evaluation-harness ``LM`` (issue 11 B).
+"""``ConceptMoEHarnessLM``: our models as an lm-evaluation-harness ``LM`` (issue 11 B, issue 19).
 
 A ``TemplateLM`` (so requests are split into context and continuation tokens exactly as the
-harness's own ``HFLM`` does) that calls our model's forward pass for log-likelihoods and
-``model.generate`` for ``generate_until``. It reproduces ``HFLM`` request by request:
+harness's own ``HFLM`` does) that calls our model's forward pass for log-likelihoods and our
+KV-cached ``stream`` for ``generate_until``. It follows ``HFLM``'s conventions, so that
+``lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True`` on an ``export-hf``
+folder gives what ``conceptmoe eval RUN --tasks`` gives, with no hand-set arguments:
 
+- the prefix token (before a document, ``prefix_token_id``) is BOS, else EOS, read from the run
+  (``training/conventions.py``: the tokenizer's ``<|endoftext|>``, or an imported source's ids);
+  runs without either (tokenizers made before special tokens) fall back to the last token of
+  ``DOC_SEP``, what separated their training documents (pass the export's ``prefix_token_id``
+  to ``hf`` for those);
+- ``max_length`` is the model's maximum length (``max_position_embeddings`` of an imported
+  checkpoint, else the training length, else 2048), the one length ``HFLM`` uses to truncate
+  ``loglikelihood`` contexts on the left and to cut ``loglikelihood_rolling`` windows
+  (``get_rolling_token_windows`` with ``context_len=1``: windows of ``max_length`` tokens);
 - ``loglikelihood``: input = (context + continuation)[-(max_length + 1):][:-1], right-padded
   batches, sum of log-softmax at the continuation positions, and whether it is the greedy one;
-- ``loglikelihood_rolling``: the harness's rolling windows (``get_rolling_token_windows`` with
-  ``context_len=1``) of ``rolling_len`` predicted tokens after ``prefix_token_id``.
+- ``generate_until``: requests with the same generation arguments run as one left-padded batch;
+  each row stops at EOS or once its text holds a stop string (``until``, default ``DOC_SEP``),
+  and the text is cut at the first stop string.
 
-Windows versus ``conceptmoe eval`` (``training/evaluate.py``): with ``rolling_len = seq_len - 1``
-(the default: the run's training length) every window is seq_len tokens and consecutive windows
-share one token, exactly like ``evaluate``'s windows over the stream ``[prefix] + tokens``; the
-rolling log-likelihood of a document therefore equals minus ``evaluate_tokens``' summed NLL over
-that stream (tested) except in the last, partial window, which the harness gives a full-length
-context and ``evaluate`` a short one. ``conceptmoe eval`` itself starts at the text's first token
-instead of the prefix, so the two also differ by that first token's prediction and a one-token
-shift of the window starts: on the held-out plays the BPBs agree to about 1e-4 (README). ``prefix_token_id`` defaults to the last token of the document separator
-(``DOC_SEP``): what precedes every document in training (our models have no BOS token).
-
-``max_length`` (default 8192) only bounds ``loglikelihood`` contexts (left truncation, as HFLM):
-the needle task runs past the training length on purpose.
+Windows versus ``conceptmoe eval`` (``evaluation/evaluate.py``): ``max_length`` L gives windows
+of L input tokens over the stream ``[prefix] + tokens`` sharing one token, i.e. ``evaluate``'s
+windows at seq_len L + 1 (tested); ``evaluate`` itself reads the held-out documents joined by
+end-of-text (or ``DOC_SEP``) from their first token, so the two BPBs differ slightly.
 """
 
 from __future__ import annotations
@@ -35,36 +39,39 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from ..training.checkpoint import load_run
 from ..data.corpus import DOC_SEP
-
-MAX_LENGTH = 8192
+from ..inference.generate import stream
+from ..training.checkpoint import load_run
+from ..training.conventions import DEFAULT_MAX_LENGTH, eos_list, max_length as run_max_length, prefix_id, token_ids
 
 
 @register_model("conceptmoe")
 class ConceptMoEHarnessLM(TemplateLM):
-    """Our MoE / ConceptMoE model behind the harness API; ``run=`` or ``model=`` + ``tokenizer=``."""
+    """Our MoE / ConceptMoE model behind the harness API; ``run=`` or ``model=`` + ``tokenizer=``.
+
+    ``max_length`` / ``prefix_token_id`` override the run's (see the module docstring), as the
+    same ``--model_args`` do for ``hf``; with ``model=`` they default to 2048 / EOS or ``DOC_SEP``.
+    """
 
     def __init__(self, run: str | None = None, model: torch.nn.Module | None = None, tokenizer=None,
-                 seq_len: int | None = None, device: str = "cpu", batch_size: int | str = 16,
-                 max_length: int = MAX_LENGTH, prefix_token_id: int | None = None,
-                 rolling_len: int | None = None, **kwargs: Any) -> None:
+                 device: str = "cpu", batch_size: int | str = 16, max_length: int | None = None,
+                 prefix_token_id: int | None = None, **kwargs: Any) -> None:
         super().__init__()
+        run_cfg: dict = {}
         if run is not None:
             model, _, tokenizer, run_cfg = load_run(run, device)
-            seq_len = seq_len or int(run_cfg.get("train", {}).get("seq_len", 256))
         if model is None or tokenizer is None:
             raise ValueError("ConceptMoEHarnessLM needs run= or model= and tokenizer=")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 16
-        self._max_length = int(max_length)
-        self.rolling_len = int(rolling_len or (seq_len or 256) - 1)
-        sep = tokenizer.encode(DOC_SEP).ids
-        self._prefix = int(prefix_token_id) if prefix_token_id is not None else sep[-1]
+        self._max_length = int(max_length) if max_length else run_max_length(run_cfg) if run_cfg else DEFAULT_MAX_LENGTH
+        ids = token_ids(run_cfg, tokenizer)
+        self._eos = eos_list(ids)
+        self._prefix = int(prefix_token_id) if prefix_token_id is not None else prefix_id(ids, tokenizer)
 
     @property
     def eot_token_id(self) -> int:
-        return self._prefix  # no EOS token: the document separator ends a text
+        return self._eos[0] if self._eos else self._prefix  # no EOS: the document separator ends a text
 
     @property
     def prefix_token_id(self) -> int:
@@ -113,30 +120,64 @@ class ConceptMoEHarnessLM(TemplateLM):
             (string,) = req.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.rolling_len, context_len=1)]
+                max_seq_len=self.max_length, context_len=1)]
             total = sum(ll for ll, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows], True))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
         return out
 
-    @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled, with ``do_sample`` and ``temperature``) text until a stop string."""
-        out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="conceptmoe generate", leave=False):
-            context, gen = req.args
-            gen = dict(gen)
+        """Greedy (or sampled, with ``do_sample`` and ``temperature``) text until a stop string or EOS,
+        batched: requests with equal generation arguments, longest contexts first."""
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(repr(sorted(dict(req.args[1]).items())), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="conceptmoe generate", leave=False)
+        for idx in groups.values():
+            gen = dict(requests[idx[0]].args[1])
             until = gen.get("until") or [DOC_SEP]
-            until = [until] if isinstance(until, str) else list(until)
+            until = [until] if isinstance(until, str) else [u for u in until if u]
             n = int(gen.get("max_gen_toks", 256))
             temp = float(gen.get("temperature", 0.0)) if gen.get("do_sample", False) else 0.0
-            ids = self.tok_encode(context)[-max(self.max_length - n, 1):] or [self.prefix_token_id]
-            x = torch.tensor([ids], device=self.device)
-            new = self.model.generate(x, n, temperature=temp)[0, len(ids):].tolist()
-            text = self.tok_decode(new)
+            ctx = {i: self.tok_encode(requests[i].args[0])[-max(self.max_length - n, 1):] or [self.prefix_token_id]
+                   for i in idx}
+            order = sorted(idx, key=lambda i: -len(ctx[i]))
+            for at in range(0, len(order), self.batch_size):
+                chunk = order[at:at + self.batch_size]
+                for i, text in zip(chunk, self._generate_batch([ctx[i] for i in chunk], n, temp, until)):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(chunk))
+        bar.close()
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[list[int]], n: int, temperature: float, until: list[str]) -> list[str]:
+        """Left-padded batch through the KV-cached ``stream``; a row is done at EOS or a stop string."""
+        T = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), T, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, T - len(p):], mask[row, T - len(p):] = torch.tensor(p, device=self.device), 1
+        new: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for step in stream(self.model, ids, n, temperature, eos_token_id=self._eos or None, attention_mask=mask):
+            for row, t in enumerate(step.tokens.tolist()):
+                if done[row]:
+                    continue
+                if bool(step.finished[row]):
+                    done[row] = True
+                    continue
+                new[row].append(t)
+                done[row] = any(u in self.tok_decode(new[row]) for u in until)
+            if all(done):
+                break
+        texts = []
+        for toks in new:
+            text = self.tok_decode(toks)
             for stop in until:
-                if stop and stop in text:
+                if stop in text:
                     text = text[:text.index(stop)]
-            self.cache_hook.add_partial("generate_until", (context, req.args[1]), text)
-            out.append(text)
-        return out
+            texts.append(text)
+        return texts

@@ -12,7 +12,8 @@ why the files are written at run time rather than shipped.
   line against three other lines of the same play of similar length. ``acc``, ``acc_norm``.
 - ``cmoe_niah`` (group of ``cmoe_niah_05k``/``1k``/``2k``/``4k``: 500 to 4000 characters):
   a needle line "The secret word is W." hidden at a random depth of held-out text; at the end
-  "The secret word is" and four candidate words. Long-context retrieval (CONCEPTMOE.md §5).
+  "The secret word is" and four candidate words, all four absent from the haystack (so that only
+  the needle names one). Long-context retrieval (CONCEPTMOE.md §5).
 - ``cmoe_heldout_ppl`` (``loglikelihood_rolling``): the held-out text exactly as
   ``conceptmoe eval`` reads it (plays joined by ``DOC_SEP``), one document. ``bits_per_byte``
   is comparable to ``val_bpb`` (see ``harness/lm.py`` for the windows).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from ..data.corpus import DOC_SEP, load_corpus
 
-VERSION = 1
+VERSION = 2  # 2: needle and distractors drawn from words absent from the haystack
 NIAH_LENGTHS = {"05k": 500, "1k": 1000, "2k": 2000, "4k": 4000}
 NIAH_PER_LENGTH = 20
 NEXTLINE_PER_PLAY = 100
@@ -69,6 +70,12 @@ def nextline_docs(plays, per_play: int = NEXTLINE_PER_PLAY, seed: int = 0) -> li
     return docs
 
 
+def absent_words(text: str) -> list[str]:
+    """The candidate words that ``text`` does not contain as a word (any case)."""
+    present = set(re.findall(r"[a-z]+", text.lower()))
+    return [w for w in WORDS if w not in present]
+
+
 def niah_docs(text: str, length: int, n: int = NIAH_PER_LENGTH, seed: int = 0) -> list[dict]:
     rng, docs = random.Random(seed * 1000 + length), []
     for _ in range(n):
@@ -77,7 +84,7 @@ def niah_docs(text: str, length: int, n: int = NIAH_PER_LENGTH, seed: int = 0) -
         hay = text[start:start + length]
         hay = hay[:hay.rfind("\n") + 1]  # whole lines
         cut = hay.rfind("\n", 0, int(len(hay) * rng.uniform(0.1, 0.9))) + 1
-        words = rng.sample(WORDS, 4)
+        words = rng.sample(absent_words(hay), 4)
         needle = words[0]
         rng.shuffle(words)
         context = f"{hay[:cut]}The secret word is {needle}.\n{hay[cut:]}\nThe secret word is"
