@@ -109,6 +109,9 @@ def test_imported_ids_survive_import_convert_and_export(tmp_path, capsys):
     want = {"bos_token_id": 3, "eos_token_id": [4, 9], "pad_token_id": 5}
     assert token_ids(run_cfg, tok) == want and prefix_id(want, tok) == 3
     assert max_length(run_cfg) == 512  # the source's max_position_embeddings (no training config)
+    old = json.loads(json.dumps(run_cfg))  # an import made before token ids were kept in the model config
+    del old["model"]["extra"]["token_ids"]
+    assert token_ids(old, tok) == {"bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 5}  # source config.json
     back = json.loads((export_hf(run, tmp_path / "back") / "config.json").read_text())
     assert {k: back[k] for k in want} == want and back["max_position_embeddings"] == 512
     assert tr.AutoModelForCausalLM.from_pretrained(tmp_path / "back").generation_config.eos_token_id == [4, 9]
