@@ -44,6 +44,12 @@ class Chunks:
     positions: torch.Tensor  # (B, C) long token position of each concept's boundary
 
 
+def _fp32_linear(lin: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    """W h in fp32 whatever autocast says (the cosine router: boundaries hinge on small angles)."""
+    with torch.autocast(h.device.type, enabled=False):
+        return F.linear(h.float(), lin.weight.float())
+
+
 class ChunkRouter(nn.Module):
     """Boundary probabilities from encoder states. ``step`` is the one-token cached form."""
 
@@ -72,9 +78,9 @@ class ChunkRouter(nn.Module):
         B, T, _ = h.shape
         pos = torch.arange(offset, offset + T, device=h.device)
         if self.kind == "cosine":
-            q, k = self.wq(h), self.wk(h)
+            q, k = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)
             k_prev = torch.cat([k[:, :1], k[:, :-1]], dim=1)  # position 0 is overwritten below
-            p = ((1 - F.cosine_similarity(q.float(), k_prev.float(), dim=-1)) / 2).clamp(0, 1)
+            p = self._cosine_p(q, k_prev)
         elif self.kind == "linear":
             p = self._linear(h)
         else:
@@ -86,15 +92,20 @@ class ChunkRouter(nn.Module):
         """One token per row: h (B, D), cached W_k h_{t-1} (B, D), positions (B,) -> p (B,), new key."""
         key = None
         if self.kind == "cosine":
-            q, key = self.wq(h), self.wk(h)
+            q, key = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)
             if last_key is None:
                 last_key = key  # only reached at position 0, where p is overwritten below
-            p = ((1 - F.cosine_similarity(q.float(), last_key.float(), dim=-1)) / 2).clamp(0, 1)
+            p = self._cosine_p(q, last_key)
         elif self.kind == "linear":
             p = self._linear(h)
         else:
             p = fixed_boundaries(pos, self.ratio).float()
         return torch.where(pos == 0, torch.ones_like(p), p), key
+
+    @staticmethod
+    def _cosine_p(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # fp32 island
+            return ((1 - F.cosine_similarity(q.float(), k.float(), dim=-1)) / 2).clamp(0, 1)
 
     @staticmethod
     def linear_input(h: torch.Tensor) -> torch.Tensor:
@@ -104,8 +115,9 @@ class ChunkRouter(nn.Module):
 
     def _linear(self, h: torch.Tensor) -> torch.Tensor:
         """Linear router: sigmoid(w · h/rms(h) + c), h (..., D) -> p (...)."""
-        score = F.linear(self.linear_input(h), self.score.weight.float(), self.score.bias.float())
-        return torch.sigmoid(score.squeeze(-1))
+        with torch.autocast(h.device.type, enabled=False):  # fp32 island
+            score = F.linear(self.linear_input(h), self.score.weight.float(), self.score.bias.float())
+            return torch.sigmoid(score.squeeze(-1))
 
 
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -139,13 +151,14 @@ def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float,
 def ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: float,
                valid: torch.Tensor | None = None) -> torch.Tensor:
     """L = R/(R-1)·((R-1)·F·G + (1-F)·(1-G)); F = mean(b) (no grad), G = mean(p)."""
-    if valid is None:
-        Fm, G = b.float().mean().detach(), p.float().mean()
-    else:
-        n = valid.float().sum().clamp_min(1)
-        Fm = ((b & valid).float().sum() / n).detach()
-        G = (p.float() * valid).sum() / n
-    return ratio_loss_fg(Fm, G, ratio)
+    with torch.autocast(p.device.type, enabled=False):  # fp32 island
+        if valid is None:
+            Fm, G = b.float().mean().detach(), p.float().mean()
+        else:
+            n = valid.float().sum().clamp_min(1)
+            Fm = ((b & valid).float().sum() / n).detach()
+            G = (p.float() * valid).sum() / n
+        return ratio_loss_fg(Fm, G, ratio)
 
 
 def ratio_loss_fg(Fm: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:

@@ -111,16 +111,19 @@ class MoE(nn.Module):
     # ----- routing -----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns router logits (N, E) fp32, probs (N, E), top-k weights (N, K), indices (N, K)."""
-        logits = F.linear(x.float(), self.router.weight.float())
-        probs = logits.softmax(dim=-1)
-        w, idx = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
+        # An fp32 island: autocast would cast the upcast matmul back to bf16 (logit errors ~4e-3).
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())
+            probs = logits.softmax(dim=-1)
+            w, idx = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
         return logits, probs, w, idx
 
     def aux_terms(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> MoEAux:
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
-        z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
+        with torch.autocast(logits.device.type, enabled=False):  # fp32 island (z-loss)
+            z_sum = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
         return MoEAux(RouterStats(probs.sum(0), z_sum, counts.detach(), idx.shape[0], self.top_k))
 
     # ----- expert compute -----

@@ -12,7 +12,7 @@ gloo on a GPU host (pytorch#132471). One process (no ``WORLD_SIZE``) is the same
 never asks for a rank): it sets ``model.stats_reduce`` to a sum over ranks, so the ratio loss,
 balance loss, z-loss and compression are global (``model/stats.py``), then wraps the model in
 ``DistributedDataParallel`` or shards it with FSDP2 (``fully_shard`` per block, then the root;
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for ``--dtype bf16``), or shards
+fp32 parameters: ``--dtype bf16`` is the training loop's autocast in every mode), or shards
 the experts over groups of processes (``expert_parallel.py``, with DDP-style averaging).
 
 Checkpoints of a parallelized model are written and read by ``training/parallel_checkpoint.py``
@@ -127,13 +127,31 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def check_layout(world: int, mode: str, experts: int, expert_counts: list[int]) -> None:
+    """Refuse a parallel layout that cannot run, before anything is written: the mode, and
+    ``--expert-parallel S`` (torchrun only, with DDP, S dividing the processes and every MoE
+    layer's expert count ``expert_counts``)."""
+    if mode not in PARALLEL_MODES:
+        raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)} (got {mode!r})")
+    if experts == 1:
+        return
+    if experts > 1 and mode == "fsdp":
+        raise UserError("--expert-parallel combines with --parallel ddp, not fsdp")
+    if world == 1:
+        raise UserError(f"--expert-parallel {experts} shards experts over processes: start the run with "
+                        f"torchrun --nproc_per_node N (N a multiple of {experts}), or leave it out")
+    if world % experts:
+        raise UserError(f"--expert-parallel {experts} must divide the number of processes ({world})")
+    bad = sorted({n for n in expert_counts if n % experts})
+    if bad:
+        raise UserError(f"--expert-parallel {experts} must divide the number of experts of every MoE layer "
+                        f"({', '.join(map(str, bad))})")
+
+
 def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str, experts: int = 1) -> nn.Module:
     """The module to train: the model itself (1 process, FSDP-sharded in place, or with its
     experts sharded over ``experts`` processes) or a DDP wrapper."""
-    if mode not in PARALLEL_MODES:
-        raise UserError(f"--parallel must be one of {', '.join(PARALLEL_MODES)} (got {mode!r})")
-    if experts > 1 and mode == "fsdp":
-        raise UserError("--expert-parallel combines with --parallel ddp, not fsdp")
+    check_layout(d.world, mode, experts, [m.n_experts for m in ep.moe_layers(model)])
     if d.world == 1:
         return model  # one process: nothing to distribute (--parallel, --expert-parallel: torchrun only)
     model.stats_reduce = d.sum
@@ -143,8 +161,9 @@ def parallelize(model: nn.Module, d: Dist, mode: str, dtype: str, experts: int =
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if dtype == "bf16" else MixedPrecisionPolicy()
+        # fp32 parameters and reductions whatever --dtype: bf16 is the loop's autocast, as under DDP
+        # (param_dtype=bf16 would also make norms, the residual stream and the islands' inputs bf16).
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         for blk in blocks(model):
             fully_shard(blk, mesh=d.mesh, mp_policy=mp)
         fully_shard(model, mesh=d.mesh, mp_policy=mp)

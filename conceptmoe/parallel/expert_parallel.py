@@ -14,7 +14,9 @@ layer's forward (the pattern of torchtitan and Megatron-LM):
 Gradients: the model's loss on each process is a local mean and the global loss their average,
 so replicated (non-expert) parameters are all-reduced and averaged over the world, and an
 expert's gradient, which already sums the contributions of its whole EP group, is summed over
-its replicas and divided by the world size (``sync_grads``). Checkpoints gather the full
+its replicas and divided by the world size (``sync_grads``). The gradient norm is global (the
+expert squares summed over the EP group, replicated parameters once) and every rank clips by
+the same factor (``clip_grad_norm``), so the replicas stay bit-identical. Checkpoints gather the full
 experts (and their optimizer state) onto rank 0 in the single-process format.
 
 Shape legend: M rows (token, expert slots), D d_model, E experts, L = E / S local experts.
@@ -113,6 +115,30 @@ def sync_grads(model: nn.Module, world: int) -> None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad, group=ep.replicas if is_expert(name) else None)
         p.grad.div_(world)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm of an expert-sharded model (call after ``sync_grads``), every
+    gradient scaled by the one clip factor ``min(1, max_norm / (norm + 1e-6))`` that
+    ``torch.nn.utils.clip_grad_norm_`` would apply to the unsharded model.
+
+    Replicated gradients are equal on every rank after ``sync_grads`` and count once; each rank's
+    expert squares are summed over its EP group (which holds every expert once). The norm, and so
+    the clip factor and the non-finite check, is the same number on every rank.
+    """
+    ep: EPGroup = model.expert_parallel
+    grads = {True: [], False: []}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads[is_expert(name)].append(p.grad)
+    sq = [torch.stack([torch.linalg.vector_norm(g) for g in gs]).square().sum() if gs else torch.zeros(())
+          for gs in (grads[False], grads[True])]
+    dist.all_reduce(sq[1], group=ep.group)
+    total = (sq[0] + sq[1]).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads[False] + grads[True]:
+        g.mul_(coef)
+    return total
 
 
 def _gather(t: torch.Tensor, ep: EPGroup) -> torch.Tensor:

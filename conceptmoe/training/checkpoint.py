@@ -130,31 +130,62 @@ def link_latest_weights(run_dir: Path, ckpt: Path) -> None:
 
 def load_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     device: torch.device) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states in place; return state.json."""
+    """Restore model, optimizer and RNG states in place; return state.json.
+
+    Files that cannot be read are "damaged"; readable ones that do not fit this run (another
+    model, another optimizer layout) say what differs and leave the checkpoint alone."""
+    state, _, osd = read_checkpoint(ckpt)
     try:
-        state = json.loads((ckpt / "state.json").read_text())
-        load_weights(model, ckpt / "model.safetensors", device)
-        tensors = load_file(ckpt / "optimizer.safetensors", device=str(device))
-        meta = json.loads((ckpt / "optimizer.json").read_text())
-        optimizer.load_state_dict(optimizer_from_safetensors(tensors, meta))
-        set_rng_state(load_file(ckpt / "rng.safetensors"))
-    except UserError:
-        raise
-    except Exception as e:  # any damage to the checkpoint files
-        raise UserError(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        load_model(model, str(ckpt / "model.safetensors"), strict=True, device=str(device))
+    except Exception as e:  # the bytes were read above: a key or shape mismatch
+        raise UserError(f"checkpoint {ckpt} does not fit this run's model ({_first_line(e)}); "
+                        f"the checkpoint itself is intact") from None
+    load_optimizer_state(ckpt, optimizer, osd)
     return state
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _groups(groups: list[dict]) -> str:
+    return ", ".join(f"{g.get('name', f'group {i}')} ({len(g['params'])} tensors)" for i, g in enumerate(groups))
+
+
+def check_optimizer_fits(ckpt: Path, optimizer: torch.optim.Optimizer, osd: dict) -> None:
+    """A UserError naming the difference when a checkpoint's optimizer groups are not this run's."""
+    saved, have = osd["param_groups"], optimizer.param_groups
+    same = len(saved) == len(have) and all(
+        len(a["params"]) == len(b["params"]) and a.get("name", b.get("name")) == b.get("name", a.get("name"))
+        for a, b in zip(saved, have))
+    if not same:
+        raise UserError(f"checkpoint {ckpt} does not fit this run's optimizer: its parameter groups are "
+                        f"[{_groups(saved)}], this run's are [{_groups(have)}] (written by an older version "
+                        f"under DDP?); the checkpoint itself is intact")
+
+
+def load_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer, osd: dict) -> None:
+    check_optimizer_fits(ckpt, optimizer, osd)
+    try:
+        optimizer.load_state_dict(osd)
+    except Exception as e:
+        raise UserError(f"checkpoint {ckpt} does not fit this run's optimizer ({_first_line(e)}); "
+                        f"the checkpoint itself is intact") from None
+
+
 def read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict]:
-    """(state.json, model tensors, optimizer state dict) of a checkpoint, on CPU; sets the RNG."""
+    """(state.json, model tensors, optimizer state dict) of a checkpoint, on CPU; sets the RNG.
+    Files that cannot be read or parsed are a UserError that calls the checkpoint damaged."""
     try:
         state = json.loads((ckpt / "state.json").read_text())
         weights = load_file(ckpt / "model.safetensors")
         opt = optimizer_from_safetensors(load_file(ckpt / "optimizer.safetensors"),
                                          json.loads((ckpt / "optimizer.json").read_text()))
-        set_rng_state(load_file(ckpt / "rng.safetensors"))
+        rng = load_file(ckpt / "rng.safetensors")
+        int(state["step"])
     except Exception as e:  # any damage to the checkpoint files
-        raise UserError(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise UserError(f"checkpoint {ckpt} is damaged ({type(e).__name__}: {_first_line(e)})") from None
+    set_rng_state(rng)
     return state, weights, opt
 
 

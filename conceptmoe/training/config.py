@@ -96,6 +96,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")
+        if self.parallel == "fsdp" and self.expert_parallel > 1:
+            raise UserError("--expert-parallel combines with --parallel ddp, not fsdp")
         for name in ("warmup_steps", "eval_every", "skip_bad_steps"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
@@ -201,5 +203,7 @@ def resolve_train_config(given: dict[str, Any], resume: bool = False, force: boo
             stored = TrainConfig.from_dict(ck.read_run_config(out).get("train", {})).to_dict()
             if "max_steps" in given or "tokens" in given:
                 stored.pop("max_steps"), stored.pop("tokens")
+            for launch in ("parallel", "expert_parallel"):  # chosen per launch, like the process count
+                stored.pop(launch)
             given = {**stored, **given, "out": str(out)}
     return TrainConfig(**given, resume=resume, force=force)

@@ -123,8 +123,9 @@ def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor |
     mine = slice(d.rank * rows, (d.rank + 1) * rows)
     micro = rows // K
     concept = lp.raw.cfg.is_concept
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16,
-                              enabled=lp.dtype == "bf16" and lp.tc.parallel != "fsdp")
+    # bf16: autocast over fp32 weights in every mode (FSDP gathers fp32 parameters too), so DDP,
+    # FSDP and one process share one numerics; the model keeps its fp32 islands (router, scan).
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=lp.dtype == "bf16")
     parts = [slice(mine.start + k * micro, mine.start + (k + 1) * micro) for k in range(K)]
 
     def inputs(part: slice) -> dict[str, torch.Tensor]:
@@ -155,6 +156,9 @@ def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor |
 
 
 def _grad_norm(model: nn.Module, clip: float) -> float:
+    """The global gradient norm (the same on every rank), after clipping every gradient by it."""
+    if getattr(model, "expert_parallel", None) is not None:  # experts sharded: a collective norm
+        return float(expert_parallel.clip_grad_norm(model, clip))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
         norm = norm.full_tensor()

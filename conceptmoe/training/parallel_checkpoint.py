@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..parallel import expert_parallel
 from ..parallel.distributed import Dist, is_sharded, param_names, unwrap
 from . import checkpoint as ck
@@ -58,16 +59,24 @@ def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist
 
 def load(ckpt, model: nn.Module, opt: torch.optim.Optimizer, d: Dist) -> dict:
     """Restore a checkpoint written by any number of processes into this (parallelized) model."""
-    if getattr(model, "expert_parallel", None) is not None:
-        state, msd, osd = ck.read_checkpoint(ckpt)
-        expert_parallel.load_state(model, opt, param_names(opt, model), msd, osd)
-        return state
-    if not is_sharded(model):
+    if getattr(model, "expert_parallel", None) is None and not is_sharded(model):
         return ck.load_checkpoint(ckpt, unwrap(model), opt, d.device)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
     state, msd, osd = ck.read_checkpoint(ckpt)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, msd, options=options)
-    set_optimizer_state_dict(model, opt, _by_name(osd, param_names(opt, model)), options=options)
+    ck.check_optimizer_fits(ckpt, opt, osd)
+    try:
+        if getattr(model, "expert_parallel", None) is not None:
+            expert_parallel.load_state(model, opt, param_names(opt, model), msd, osd)
+        else:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, msd, options=options)
+            set_optimizer_state_dict(model, opt, _by_name(osd, param_names(opt, model)), options=options)
+    except (RuntimeError, ValueError, KeyError) as e:  # the bytes were read: a mismatch
+        raise UserError(f"checkpoint {ckpt} does not fit this run ({str(e).strip().splitlines()[0]}); "
+                        f"the checkpoint itself is intact") from None
     return state

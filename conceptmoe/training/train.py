@@ -42,19 +42,32 @@ from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer, sav
 from ..data.digits import VLM_DATA
 
 
+GROUPS = ("decay", "no_decay", "chunk")  # optimizer parameter groups, in this order in every mode
+
+
+def param_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The model's parameters by optimizer group, decided by parameter identity on the unwrapped
+    model (``distributed.unwrap``): a DDP wrapper's ``module.`` names or FSDP's DTensor parameters
+    change nothing. The chunk router: its own learning rate, no decay; embeddings, the image
+    position table, norms and biases: no decay; every other matrix: decay."""
+    raw = distributed.unwrap(model)
+    chunk = {id(p) for p in raw.chunk.parameters()} if getattr(raw, "chunk", None) is not None else set()
+    flat = {id(p) for p in raw.embed.parameters()}
+    if getattr(raw, "vision", None) is not None:
+        flat.add(id(raw.vision.pos))
+    groups: dict[str, list] = {n: [] for n in GROUPS}
+    for p in raw.parameters():
+        name = "chunk" if id(p) in chunk else "decay" if p.dim() >= 2 and id(p) not in flat else "no_decay"
+        groups[name].append(p)
+    return groups
+
+
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
-    groups: dict[str, list] = {"decay": [], "no_decay": [], "chunk": []}
-    for name, p in model.named_parameters():
-        if name.startswith("chunk."):
-            groups["chunk"].append(p)
-        elif p.dim() >= 2 and not name.startswith(("embed.", "vision.pos")):
-            groups["decay"].append(p)
-        else:
-            groups["no_decay"].append(p)
-    spec = [("decay", tc.weight_decay, 1.0), ("no_decay", 0.0, 1.0), ("chunk", 0.0, tc.chunk_lr_mult)]
-    param_groups = [{"params": groups[n], "weight_decay": wd, "lr_mult": mult, "lr": tc.lr * mult}
-                    for n, wd, mult in spec if groups[n]]
-    return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    """AdamW over ``param_groups`` (the same groups, in the same order, in every parallel mode)."""
+    spec = {"decay": (tc.weight_decay, 1.0), "no_decay": (0.0, 1.0), "chunk": (0.0, tc.chunk_lr_mult)}
+    groups = [{"params": ps, "name": n, "weight_decay": spec[n][0], "lr_mult": spec[n][1], "lr": tc.lr * spec[n][1]}
+              for n, ps in param_groups(model).items() if ps]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def _diff(a: dict, b: dict) -> list[str]:
@@ -75,6 +88,9 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
         diff = [k for k in RUN_IDENTITY if old.get(k) != getattr(tc, k)]
         if diff:
             raise UserError(f"--resume: {out} was trained with different {', '.join(diff)}")
+        if old.get("init") != tc.init:  # provenance: what a run started from never changes
+            raise UserError(f"--resume: {out} was started from {old.get('init') or 'scratch (no --init)'}; "
+                            f"a resumed run keeps its recorded init: leave out --init")
         # A run stopped before its first checkpoint has nothing to lose and starts over.
         trained = any((out / f).exists() for f in ("model.safetensors", "eval.json"))
         if ck.latest_checkpoint(out) is None and trained:
@@ -140,6 +156,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
     if tc.batch_size % (d.world * tc.grad_accum):
         raise UserError(f"--batch-size {tc.batch_size} must be a multiple of processes x --grad-accum "
                         f"({d.world} x {tc.grad_accum})")
+    distributed.check_layout(d.world, mode, tc.expert_parallel,  # before anything is written
+                            [mc.n_experts] + ([mc.concept_experts] if mc.is_concept else []))
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
         if tc.data == VLM_DATA:  # the image-text digits task (vlm_train.py)

@@ -48,9 +48,11 @@ CACHE = ("tests/test_cached_trained.py", "tests/test_generate.py")
 
 MUTANTS = [
     # --- issue 8 part D: each of these survived the suite before ---
-    Mutant("router-swap-forward", CHUNK, "q, k = self.wq(h), self.wk(h)", "q, k = self.wk(h), self.wq(h)",
+    Mutant("router-swap-forward", CHUNK, "q, k = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)",
+           "q, k = _fp32_linear(self.wk, h), _fp32_linear(self.wq, h)",
            ("tests/test_router_paths.py",), "W_q and W_k swapped in the full router"),
-    Mutant("router-swap-step", CHUNK, "q, key = self.wq(h), self.wk(h)", "q, key = self.wk(h), self.wq(h)",
+    Mutant("router-swap-step", CHUNK, "q, key = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)",
+           "q, key = _fp32_linear(self.wk, h), _fp32_linear(self.wq, h)",
            ("tests/test_router_paths.py", *CACHE), "W_q and W_k swapped in ChunkRouter.step"),
     Mutant("prefill-key-uses-wq", STEPS, "chunk.last_key = model.chunk.wk(", "chunk.last_key = model.chunk.wq(",
            ("tests/test_router_paths.py", *CACHE), "prefill caches W_q h instead of W_k h"),

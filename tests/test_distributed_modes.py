@@ -1,0 +1,156 @@
+"""Every parallel mode trains the one-process run (issue 18): DDP, FSDP2 and expert parallelism,
+2 processes vs 1 at the default learning rate and loss weights; resume across process counts;
+expert parallelism's global gradient norm, replicas and non-finite stop.
+
+All runs go through ``dist_scripts/train_runs.py`` (``training.train._train``, the code path of
+``conceptmoe train``), grouped into four launches (one process, two, one, two), gloo with one
+thread per process, so the module costs a few launches rather than one per case.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conceptmoe.model.lm import build_model
+from conceptmoe.training import checkpoint as ck
+from training_helpers import make_corpus
+
+STEPS = 30
+TOL = 1e-4
+# Seed 3 (as the older distributed tests). At seed 5 step 16 the gradient is ill-conditioned: a
+# 1e-7 relative perturbation of the weights moves its norm by up to 3e-5 relative (loss unchanged),
+# so fp32 rounding alone puts the modes' grad_norm 1e-5..1.5e-4 apart there (issue-18 notes).
+SEED = 3
+MODES = {"ddp": {"parallel": "ddp"}, "fsdp": {"parallel": "fsdp"}, "ep": {"expert_parallel": 2}}
+SCRIPT = Path(__file__).parent / "dist_scripts" / "train_runs.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CONCEPTMOE_DIST_TIMEOUT": "60",
+       "CONCEPTMOE_CPU_BF16": "0"}
+
+
+def _launch(n: int, runs: list[dict], folder: Path, name: str, timeout: float = 600):
+    spec = folder / f"{name}.json"
+    spec.write_text(json.dumps(runs))
+    cmd = [sys.executable, str(SCRIPT), str(spec)] if n == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), str(SCRIPT), str(spec)]
+    t0 = time.time()
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return res, time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module: {name: run dir}, and the launches' stdout."""
+    root = tmp_path_factory.mktemp("modes")
+    corpus = make_corpus(root / "corpus")
+    base = dict(preset="tiny", data=str(corpus), max_steps=STEPS, batch_size=4, seq_len=64, seed=SEED,
+                save_every=10, eval_every=0, val_tokens=2000, dtype="fp32")
+    out = lambda name: str(root / name)  # noqa: E731
+
+    def run(name, model="conceptmoe", **kw):
+        return {**base, "model": model, "out": out(name), **kw}
+
+    def resume(name, **kw):
+        return {"out": out(name), "resume": True, **kw}
+
+    one_a, two, one_b = [], [], []
+    for model in ("moe", "conceptmoe"):
+        one_a.append(run(f"one-{model}", model))
+        two += [run(f"{mode}-{model}", model, **flags) for mode, flags in MODES.items()]
+    # --chunk-lr-mult 0: the router keeps its initial weights
+    one_a.append(run("chunk0-one", max_steps=5, chunk_lr_mult=0.0))
+    two += [run(f"chunk0-{mode}", max_steps=5, chunk_lr_mult=0.0, **flags) for mode, flags in MODES.items()]
+    # a small clip value: the expert gradients decide the clip factor
+    one_a.append(run("clip-one", "moe", max_steps=10, grad_clip=0.05))
+    two.append(run("clip-ep", "moe", max_steps=10, grad_clip=0.05, **MODES["ep"]))
+    # resume: 2 -> 2, 1 -> 2, 2 -> 1 in every mode (expert parallelism exists only with 2)
+    for mode, flags in MODES.items():
+        single = {} if mode == "ep" else flags
+        two += [run(f"r22-{mode}", stop_after=10, **flags), resume(f"r22-{mode}", **flags)]
+        one_a.append(run(f"r12-{mode}", stop_after=10, **single))
+        two.append(resume(f"r12-{mode}", **flags))
+        two.append(run(f"r21-{mode}", stop_after=20, **flags))
+        one_b.append(resume(f"r21-{mode}", **single))
+    nan = [run("nan-ep", "moe", max_steps=10, nan_at=[1, 3], **MODES["ep"])]
+    logs, took = {}, {}
+    for name, n, batch in (("one_a", 1, one_a), ("two", 2, two), ("one_b", 1, one_b), ("nan", 2, nan)):
+        res, took[name] = _launch(n, batch, root, name)
+        logs[name] = res
+        if name != "nan":
+            assert "FAILED" not in res.stdout and res.returncode == 0, res.stdout + res.stderr[-3000:]
+    print(f"launch seconds: {json.dumps({k: round(v, 1) for k, v in took.items()})}")
+    return root, logs, took
+
+
+def _rows(root: Path, name: str) -> list[dict]:
+    return ck.read_metrics(root / name)
+
+
+def _assert_equal(rows: list[dict], ref: list[dict], tol: float = TOL) -> None:
+    assert [r["step"] for r in rows] == [r["step"] for r in ref]
+    loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref))
+    norm = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(rows, ref))
+    assert loss <= tol, f"max |loss difference| {loss:.2e} > {tol:g}"
+    assert norm <= tol, f"max relative grad_norm difference {norm:.2e} > {tol:g}"
+
+
+@pytest.mark.parametrize("model", ["moe", "conceptmoe"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_processes_equal_one_at_default_settings(runs, mode, model):
+    root, _, _ = runs
+    rows, ref = _rows(root, f"{mode}-{model}"), _rows(root, f"one-{model}")
+    assert len(ref) == STEPS
+    _assert_equal(rows, ref)
+
+
+@pytest.mark.parametrize("mode", ["one"] + list(MODES))
+def test_chunk_lr_mult_zero_leaves_the_router_bit_identical(runs, mode):
+    root, _, _ = runs
+    run = root / f"chunk0-{mode}"
+    torch.manual_seed(SEED)  # as train() builds it
+    start = build_model(ck.model_config_of(ck.read_run_config(run))).state_dict()
+    end = load_file(run / "model.safetensors")
+    router = [k for k in end if k.startswith("chunk.")]
+    assert router and len(ck.read_metrics(run)) == 5
+    for k in router:
+        assert torch.equal(end[k], start[k]), k
+    assert any(not torch.equal(end[k], start[k]) for k in end if k.startswith("encoder."))  # the rest trained
+
+
+@pytest.mark.parametrize("case", ["r22", "r12", "r21"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_resume_across_process_counts(runs, mode, case):
+    root, _, _ = runs
+    _assert_equal(_rows(root, f"{case}-{mode}"), _rows(root, "one-conceptmoe"))
+    assert json.loads((root / f"{case}-{mode}" / "eval.json").read_text())["step"] == STEPS
+
+
+def test_expert_parallel_clips_by_the_global_norm(runs):
+    # grad_clip 0.05 clips every step, by a factor that the experts' gradients decide
+    root, _, _ = runs
+    ref = _rows(root, "clip-one")
+    assert all(r["grad_norm"] > 0.05 * 5 for r in ref)
+    _assert_equal(_rows(root, "clip-ep"), ref)
+
+
+def test_expert_parallel_replicas_stay_bit_identical(runs):
+    root, logs, _ = runs
+    for name in ("ep-moe", "ep-conceptmoe", "clip-ep"):
+        assert f"REPLICAS {root / name} identical" in logs["two"].stdout, logs["two"].stdout
+
+
+def test_a_non_finite_expert_gradient_stops_every_rank(runs):
+    root, logs, took = runs
+    res = logs["nan"]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("FAILED")]
+    assert len(lines) == 2, res.stdout + res.stderr[-2000:]
+    messages = {ln.split(": ", 1)[1] for ln in lines}
+    assert len(messages) == 1 and "training diverged at step 3: gradient norm is nan" in messages.pop()
+    assert took["nan"] < 40  # a rank left waiting would sit out the 60 s collective timeout
+    assert len(ck.read_metrics(root / "nan-ep")) == 2
