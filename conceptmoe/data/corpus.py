@@ -22,7 +22,10 @@ held-out split that neither model trains on).
 - ``TokenStream`` / ``BatchSampler``: the token stream cut into fixed windows, visited in a
   seeded per-epoch permutation. The position (epoch, cursor) is all a resumed run needs.
 
-Documents are joined with ``DOC_SEP`` (plain text, so byte counts stay exact).
+Documents are joined with end-of-text when the tokenizer has it (``tokenizer.separator_ids``;
+issue 19), else with the plain text ``DOC_SEP`` (tokenizers made before special tokens, and
+256-entry byte vocabularies), so old runs keep their token streams. The split and the
+fingerprints (``record``) are over documents, not the joined stream: neither depends on it.
 """
 
 from __future__ import annotations
