@@ -140,7 +140,7 @@ def _columns(pf, path: Path, field: str) -> Iterator[list]:
         except StopIteration:
             return
         except Exception as e:  # pyarrow: OSError (thrift, end of stream), ArrowInvalid; bad UTF-8
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            msg = "".join(c for c in (str(e).splitlines() or [type(e).__name__])[0] if c.isprintable()).strip()
             raise UserError(f"{path}: damaged parquet data after row {rows} ({msg})") from None
         rows += len(values)
         yield values
