@@ -1,7 +1,7 @@
 """Files and folders written whole. Shared by every part of the package, like ``errors``.
 
-- ``write_json``: strict JSON replaced atomically (a reader sees the old file or the new one,
-  never half of either).
+- ``write_json``, ``write_text``, ``replacing``: one file replaced atomically (a reader sees the
+  old file or the new one, never half of either).
 - ``building(out, kind, force)``: a folder written whole. The folder is built in a temporary
   sibling ``.<name>.tmp-<kind>-<pid>`` and renamed into place at the end; an exception,
   SIGINT or SIGTERM removes the temporary folder; SIGKILL cannot be caught, so every later
@@ -33,6 +33,27 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")  # strict JSON
     os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a UTF-8 text file atomically: temp file in the same directory, then rename."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """``with replacing(path) as tmp:`` write ``tmp`` (same folder and suffix, for writers that go by
+    the extension, e.g. ``savefig``); it replaces ``path`` when the block ends (if written), or is
+    removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        if tmp.exists():
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----- file modes -----

@@ -200,3 +200,18 @@ def test_a_signal_during_building_in_process(tmp_path):
     assert e.value.exit_code == 128 + signal.SIGTERM
     assert not out.exists() and _hidden(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is restored
+
+
+def test_a_report_file_is_replaced_whole(tmp_path):
+    from conceptmoe.files import replacing, write_text
+
+    path = tmp_path / "curves.png"
+    write_text(path, "old")
+    with pytest.raises(RuntimeError), replacing(path) as tmp:
+        assert tmp.suffix == ".png"  # savefig goes by the extension
+        tmp.write_text("half")
+        raise RuntimeError("the plot failed")
+    assert path.read_text() == "old" and _hidden(tmp_path) == []
+    with replacing(path) as tmp:
+        tmp.write_text("new")
+    assert path.read_text() == "new" and _hidden(tmp_path) == []

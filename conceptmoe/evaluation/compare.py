@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import replacing, write_text
 from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
@@ -181,10 +182,11 @@ def compare(cc: CompareConfig) -> Path:
                 resume = ck.latest_checkpoint(run) is not None  # else: (re)start, ours to replace
                 train(_run_config(tc, seed, run, tok_path, resume, force=not resume))
         report = build_report(cc, models)
-        ck.write_json(out / "report.json", report)
-        (out / "report.md").write_text(render_markdown(report))
-        plot_curves(report, out / "curves.png")
-        plot_p_histograms(report, out / "p_hist.png")
+        with replacing(out / "curves.png") as curves, replacing(out / "p_hist.png") as hist:
+            plot_curves(report, curves)
+            plot_p_histograms(report, hist)
+        write_text(out / "report.md", render_markdown(report))
+        ck.write_json(out / "report.json", report)  # each file replaced whole; report.json last
     return out
 
 
@@ -212,8 +214,8 @@ def _compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
                 print(f"== {label} seed {seed} -> {run}", flush=True)
                 train(want)
         report = build_vlm_report(cc, models)
+        write_text(out / "report.md", render_vlm_markdown(report))
         ck.write_json(out / "report.json", report)
-        (out / "report.md").write_text(render_vlm_markdown(report))
     return out
 
 

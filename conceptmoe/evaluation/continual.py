@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import replacing, write_text
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
 from ..training.config import TrainConfig
@@ -131,9 +132,10 @@ def continual_compare(cc: CTConfig) -> Path:
                                   resume=resume, force=not resume, progress=cc.progress))
             starts[label] = _start_bpb(init, run)
         report = build_report(cc, starts)
-        ck.write_json(out / "report.json", report)
-        (out / "report.md").write_text(render_markdown(report))
-        plot_curves(report, out / "curves.png")
+        with replacing(out / "curves.png") as curves:
+            plot_curves(report, curves)
+        write_text(out / "report.md", render_markdown(report))
+        ck.write_json(out / "report.json", report)  # each file replaced whole; report.json last
     return out
 
 
