@@ -30,6 +30,7 @@ from .loop import TaskData
 from ..data.tokenizer import byte_lengths
 from ..data.digits import (
     EOS,
+    IMAGE,
     PAD,
     SEMI,
     VLM_DATA,
@@ -65,7 +66,10 @@ class DigitsSampler:
     def next(self) -> dict[str, torch.Tensor]:
         b = training_batch(self.digits, self.seed, self.step, self.batch_size, self.seq_len, self.n_patches)
         self.step += 1
-        return {"input_ids": b.ids, "labels": b.labels, "pixel_values": b.pixel_values}
+        real = torch.arange(b.ids.shape[1])[None] < b.lengths[:, None]  # (B, T): not padding
+        # labels: the predicted (text) tokens only, so that the loop can weight micro-batches by them
+        return {"input_ids": b.ids, "labels": b.labels.masked_fill(b.ids == IMAGE, -100), "pixel_values": b.pixel_values,
+                "attention_mask": real.long()}
 
 
 def vlm_data(tc: TrainConfig, mc: ModelConfig, stored: dict | None) -> TaskData:

@@ -5,9 +5,10 @@ takes its slice: rows ``[rank·B/W, (rank+1)·B/W)``, cut into ``grad_accum`` mi
 ratio/balance/z statistics are summed first, without gradients, so accumulation is exact).
 Boundary noise comes from uniforms drawn per global batch from a generator seeded by (seed,
 step), sliced like the rows, so each sequence gets the same samples whatever the world size
-and however it is resumed. Per-token losses are means over equal token counts, and the ratio,
-balance and z-loss statistics are global (``model/stats.py``): the logged loss of a W-process
-run equals the 1-process run's (``tests/test_distributed.py``).
+and however it is resumed. The cross-entropy is weighted by each micro-batch's predicted tokens
+(padding, as in vlm-digits, counts nothing), and the ratio, balance and z-loss statistics are
+global (``model/stats.py``): the logged loss of a W-process run, with or without ``grad_accum``,
+equals the 1-process run's (``tests/test_distributed_modes.py``).
 
 A step: lr schedule -> forward/backward per micro-batch (gradient sync only on the last) ->
 clip -> finiteness check (a non-finite loss or gradient norm stops the run before the update,
@@ -139,19 +140,28 @@ def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor |
             totals = sum(lp.raw.collect_stats(**{k: v for k, v in inputs(s).items() if k != "labels"})
                          for s in parts)
         lp.raw.stats_totals = d.sum(totals)
-    loss_sum, aux_sum = 0.0, {}
+    # The cross-entropy is a mean over the predicted tokens of the whole global batch: micro-batch
+    # k's own mean weighs n_k / N (times the world: data parallelism averages the gradients). With
+    # equal counts (text) that is 1/K exactly; padded rows (vlm-digits) count their real tokens.
+    targets = lambda rows: int((batch["labels"][rows, 1:] != -100).sum())  # noqa: E731
+    n_all = max(targets(slice(None)), 1)
+    loss_sum, ce_mean, ce_sum, aux_sum = 0.0, 0.0, 0.0, {}
     for k, part in enumerate(parts):
         with _sync(lp.model, k == K - 1), autocast:
             res = lp.model(**inputs(part))
-        (res.loss / K).backward()
+        weight = targets(part) * d.world / n_all
+        ce = res.aux["ce_loss"]
+        (res.loss / K + ce * (weight - 1 / K)).backward()
         loss_sum += float(res.loss.detach()) / K
+        ce_mean += float(ce.detach()) / K
+        ce_sum += float(ce.detach()) * weight / d.world
         for name, v in res.aux.items():
             aux_sum[name] = aux_sum.get(name, 0.0) + (float(v.detach()) if torch.is_tensor(v) else float(v)) / K
     if getattr(lp.raw, "expert_parallel", None) is not None:
         expert_parallel.sync_grads(lp.raw, d.world)
     lp.raw.stats_totals = None
-    loss = d.mean(loss_sum)  # per-token terms are local means over equal counts: average them
-    aux_sum["ce_loss"] = d.mean(aux_sum["ce_loss"])
+    aux_sum["ce_loss"] = d.mean(ce_sum) * d.world  # token-weighted over every micro-batch and process
+    loss = d.mean(loss_sum - ce_mean) + aux_sum["ce_loss"]  # the other terms are global already
     return loss, aux_sum
 
 
