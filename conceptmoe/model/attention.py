@@ -10,6 +10,8 @@ G key/value heads, Dh head dim.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE (the Hugging Face / Llama convention). x: (B, H, T, Dh); cos: (B|1, T, Dh)."""
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rot * sin[:, None]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # bf16 q, k stay bf16 under autocast
+    return x * cos + rot * sin
+
+
+# CPU training in bf16: up to this many keys SDPA's bf16 backward is slower than the fp32 one
+# (single thread, forward + backward: 128 keys 20 vs 10 ms, 256 keys 25 vs 23 ms; at 1024 keys bf16
+# wins, 18 vs 25 ms), so short sequences (concepts) attend in fp32 while training.
+CPU_FP32_ATTENTION_MAX_KEYS = 256
+
+
+def _fp32_attention(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
+            and k.shape[-2] <= CPU_FP32_ATTENTION_MAX_KEYS)
 
 
 class Attention(nn.Module):
@@ -94,9 +108,13 @@ class Attention(nn.Module):
                mask: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
         """SDPA over given q (B,H,Tq,Dh) and k/v (B,G,Tk,Dh); returns (B, Tq, D) after W_o."""
         B, _, Tq, _ = q.shape
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             is_causal=causal and mask is None,
-                                             enable_gqa=self.n_kv != self.n_heads)
+        dtype, fp32 = q.dtype, _fp32_attention(q, k)
+        with torch.autocast(q.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            if fp32:
+                q, k, v = q.float(), k.float(), v.float()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 is_causal=causal and mask is None,
+                                                 enable_gqa=self.n_kv != self.n_heads).to(dtype)
         return self.wo(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.hd))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -27,13 +27,26 @@ from torch import nn
 from .stats import RouterStats
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+# CPU, bf16: every expert's rows are padded to a multiple of this, so that the grouped matmuls'
+# per-expert shapes repeat from step to step. oneDNN builds (JIT-compiles) a kernel for every
+# new bf16 matmul shape, ~1 ms, 10-20x the matmul itself; with the routing changing every step,
+# unpadded groups pay that on almost every call.
+CPU_GROUP_ROWS = 64
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs matmuls in here (bf16 under bf16 autocast), else x's own."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _grouped_mm_fits(x: torch.Tensor, hidden: int) -> bool:
     """Whether grouped_mm takes these operands: it needs 16-byte row strides (D and F)."""
-    if not _HAS_GROUPED_MM or x.dtype == torch.float64:
+    dtype = compute_dtype(x)
+    if not _HAS_GROUPED_MM or dtype == torch.float64:
         return False
-    size = x.element_size()
+    size = dtype.itemsize
     return (x.shape[-1] * size) % 16 == 0 and (hidden * size) % 16 == 0
 
 
@@ -59,6 +72,22 @@ class MoEAux:
     def z_loss(self) -> torch.Tensor:
         """Router z-loss of this layer: mean logsumexp(logits)²."""
         return self.stats.z_sum / max(self.stats.n_tokens, 1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[idx] for rows; the backward sums with ``index_add_`` (autograd's default, ``index_put_``
+    with accumulate, is 2-6x slower on CPU, most in bf16)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(idx)
+        ctx.rows = x.shape[0]
+        return x[idx]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        return g.new_zeros(ctx.rows, *g.shape[1:]).index_add_(0, idx, g), None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -87,6 +116,19 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def _pad_groups(tok: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, ws: torch.Tensor,
+                sentinel: int, multiple: int = CPU_GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted layout with every expert's rows rounded up to ``multiple``: (token of each padded
+    row, ``sentinel`` for padding), padded counts (E,), routing weights (0 for padding).
+    ``experts`` (N*K,): the expert of each sorted slot."""
+    padded = (counts + multiple - 1) // multiple * multiple
+    rank = torch.arange(experts.numel(), device=tok.device) - (counts.cumsum(0) - counts)[experts]
+    dest = (padded.cumsum(0) - padded)[experts] + rank  # padded row of each sorted slot
+    M = int(padded.sum())
+    return (tok.new_full((M,), sentinel).index_copy_(0, dest, tok), padded,
+            ws.new_zeros(M, 1).index_copy(0, dest, ws))
 
 
 class MoE(nn.Module):
@@ -147,10 +189,12 @@ class MoE(nn.Module):
         down projection, which is linear: cheaper than scaling the outputs (M, D) when F < D."""
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            g = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_gate, offs=offs))
-            u = _ContiguousGrad.apply(F.grouped_mm(xs, self.w_up, offs=offs))
+            # grouped_mm is not on autocast's list: the weights follow xs (bf16 rows under autocast)
+            w_gate, w_up, w_down = (w.to(xs.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+            g = _ContiguousGrad.apply(F.grouped_mm(xs, w_gate, offs=offs))
+            u = _ContiguousGrad.apply(F.grouped_mm(xs, w_up, offs=offs))
             h = F.silu(g) * u
-            return _ContiguousGrad.apply(F.grouped_mm(h if scale is None else h * scale, self.w_down, offs=offs))
+            return _ContiguousGrad.apply(F.grouped_mm(h if scale is None else h * scale, w_down, offs=offs))
         parts = []
         for e, (xe, se) in enumerate(zip(xs.split(counts.tolist()),
                                          (scale if scale is not None else xs[:, :1]).split(counts.tolist()))):
@@ -168,13 +212,16 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)
         tok = order // K  # token of each sorted slot
         counts = torch.bincount(flat, minlength=self.n_experts)
-        xs = x[tok]  # (N*K, D) grouped by expert
-        ws = w.flatten()[order, None].to(x.dtype)  # (N*K, 1) routing weight of each sorted slot
         if self.expert_dispatch is not None:  # experts on other processes (installed from outside)
-            out = self.expert_dispatch(self, xs, counts, grouped) * ws
-        else:
-            out = self.expert_ffn(xs, counts, grouped, scale=ws)
-        return torch.zeros_like(x).index_add_(0, tok, out)
+            ws = w.flatten()[order, None].to(x.dtype)  # (N*K, 1) routing weight of each sorted slot
+            return torch.zeros_like(x).index_add_(0, tok, self.expert_dispatch(self, x[tok], counts, grouped) * ws)
+        xc = x.to(compute_dtype(x))  # cast once (bf16 under autocast), then gather half the bytes
+        ws = w.flatten()[order, None].to(xc.dtype)
+        if grouped and x.device.type == "cpu" and xc.dtype != torch.float32:
+            tok, counts, ws = _pad_groups(tok, counts, flat[order], ws, N)
+            xc = torch.cat([xc, xc.new_zeros(1, xc.shape[1])])  # row N: the padding rows' zero input
+        out = self.expert_ffn(_GatherRows.apply(xc, tok), counts, grouped, scale=ws)  # (N*K or padded, D)
+        return x.new_zeros(xc.shape).index_add_(0, tok, out.to(x.dtype))[:N]  # the K experts summed in x's dtype
 
     def forward(self, x: torch.Tensor, dispatch: str = "grouped") -> tuple[torch.Tensor, MoEAux]:
         """x: (N, D) valid tokens only. Returns (N, D) and the router aux terms."""

@@ -1,0 +1,116 @@
+"""The bf16 fast paths of training on CPU agree with their references (CONCEPTMOE.md §2b):
+padded expert groups, the gather with an index_add_ backward, fp32 attention for short
+sequences, RoPE that keeps bf16 queries bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conceptmoe.model import attention, moe
+from conceptmoe.model.attention import Attention, apply_rope, rope_tables
+from conceptmoe.model.config import ModelConfig
+from conceptmoe.model.moe import MoE, _GatherRows, _pad_groups
+
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def test_padded_groups_keep_every_slot_in_order():
+    g = torch.Generator().manual_seed(1)
+    E, K, N = 5, 2, 70
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])  # (N, K) distinct experts
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    tok, counts = order // K, torch.bincount(flat, minlength=E)
+    ws = torch.rand(N * K, 1, generator=g)
+    tok_p, padded, ws_p = _pad_groups(tok, counts, flat[order], ws, N, multiple=16)
+    assert bool((padded % 16 == 0).all()) and bool((padded >= counts).all()) and bool((padded - counts < 16).all())
+    real = tok_p != N
+    assert torch.equal(tok_p[real], tok) and torch.equal(ws_p[real], ws) and bool((ws_p[~real] == 0).all())
+    starts = padded.cumsum(0) - padded
+    for e in range(E):  # expert e's real rows open its padded group, padding closes it
+        group = tok_p[starts[e]:starts[e] + padded[e]]
+        assert bool((group[:counts[e]] != N).all()) and bool((group[counts[e]:] == N).all())
+
+
+def test_gather_rows_backward_sums_repeated_rows():
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([0, 2, 2, 5, 0, 0, 1])
+    g = torch.randn(7, 3, dtype=torch.float64)
+    (ref,) = torch.autograd.grad(x[idx], x, g)
+    out = _GatherRows.apply(x, idx)
+    assert torch.equal(out, x[idx])
+    (got,) = torch.autograd.grad(out, x, g)
+    assert torch.allclose(got, ref)
+
+
+def _moe_grads(m: MoE, x: torch.Tensor, dispatch: str):
+    m.zero_grad()
+    xi = x.clone().requires_grad_()
+    with torch.autocast(**BF16):
+        y, _ = m(xi, dispatch)
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y.float().detach(), xi.grad, m.w_gate.grad.clone(), m.router.weight.grad.clone()
+
+
+def test_grouped_experts_run_in_bf16_on_padded_groups_and_match_the_references(monkeypatch):
+    torch.manual_seed(0)
+    m = MoE(32, n_experts=6, top_k=2, hidden=16, n_shared=1)
+    x = torch.randn(90, 32)
+    seen = []
+    real = F.grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        seen.append((a.dtype, b.dtype, torch.diff(offs, prepend=offs.new_zeros(1))))
+        return real(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(F, "grouped_mm", spy)
+    grouped = _moe_grads(m, x, "grouped")
+    assert seen and all(a == b == torch.bfloat16 for a, b, _ in seen)  # bf16 operands, not fp32
+    assert all(bool((sizes % moe.CPU_GROUP_ROWS == 0).all()) for _, _, sizes in seen)
+    for ref in (_moe_grads(m, x, "split"), _moe_grads(m, x, "loop")):  # both bf16 under autocast
+        for a, b in zip(grouped, ref):
+            assert torch.allclose(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
+def test_fp32_moe_is_not_padded(monkeypatch):
+    """Without autocast nothing changes: fp32 groups keep their own sizes."""
+    torch.manual_seed(0)
+    m = MoE(32, n_experts=6, top_k=2, hidden=16)
+    sizes = []
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda a, b, offs=None, **kw: (
+        sizes.append(int(offs[-1])), real(a, b, offs=offs, **kw))[1])
+    y, _ = m(torch.randn(50, 32))
+    assert sizes == [100, 100, 100] and y.dtype == torch.float32
+
+
+def test_rope_keeps_bf16_queries_bf16():
+    q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16)
+    cos, sin = rope_tables(torch.arange(8)[None], 16, 10000.0, torch.float32)
+    out = apply_rope(q, cos, sin)
+    assert out.dtype == torch.bfloat16
+    ref = apply_rope(q.float(), cos, sin)
+    assert torch.allclose(out.float(), ref, atol=3e-2)
+
+
+@pytest.mark.parametrize("T, fp32", [(24, True), (attention.CPU_FP32_ATTENTION_MAX_KEYS + 8, False)])
+def test_short_attention_trains_in_fp32_under_bf16_autocast(monkeypatch, T, fp32):
+    cfg = ModelConfig.from_preset("tiny")
+    torch.manual_seed(0)
+    att = Attention(cfg)
+    x = torch.randn(2, T, cfg.d_model, requires_grad=True)
+    cos, sin = rope_tables(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta, torch.float32)
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: (seen.append(q.dtype), real(q, *a, **kw))[1])
+    with torch.autocast(**BF16):
+        out = att(x, cos, sin)
+    assert out.dtype == torch.bfloat16 and seen == [torch.float32 if fp32 else torch.bfloat16]
+    out.float().sum().backward()
+    assert x.grad is not None and att.wq.weight.grad is not None
+    with torch.no_grad(), torch.autocast(**BF16):  # inference keeps bf16 attention
+        att(x, cos, sin)
+    assert seen[-1] == torch.bfloat16
+    with torch.no_grad():
+        ref = att(x, cos, sin)  # fp32 throughout
+    assert torch.allclose(out.float(), ref, atol=5e-2 * float(ref.abs().max()))
