@@ -6,7 +6,8 @@ CUDA (one GPU per local rank), gloo on CPU, with a collective timeout so that a 
 the job instead of hanging it. The device mesh is passed explicitly
 (``init_device_mesh(device_type, (N,))``): the default one follows the accelerator and breaks
 gloo on a GPU host (pytorch#132471). One process (no ``WORLD_SIZE``) is the same code path with
-``Dist.world == 1``.
+``Dist.world == 1``. A worker whose torchrun agent dies (``kill -9``) stops itself with SIGTERM
+(``watch_parent``): every worker checkpoints, releases the run lock and exits within seconds.
 
 ``parallelize(model, dist, mode, dtype)`` is applied to a plain model from outside (the model
 never asks for a rank): it sets ``model.stats_reduce`` to a sum over ranks, so the ratio loss,
@@ -23,6 +24,9 @@ from here.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -111,7 +115,22 @@ def setup(device: str = "auto") -> Dist:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,))
+    watch_parent()
     return Dist(world, rank, local, dev, mesh)
+
+
+def watch_parent(interval: float = PARENT_POLL_S) -> None:
+    """SIGTERM this worker when its parent (the torchrun agent) dies: the run then stops like a
+    scheduler's SIGTERM stops it (checkpoint, lock released) instead of training on, orphaned.
+    A thread polls ``os.getppid()``: an orphan is re-parented (to init or a subreaper)."""
+    parent = os.getppid()
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=poll, name="conceptmoe-parent-watch", daemon=True).start()
 
 
 def teardown(d: Dist) -> None:
