@@ -40,6 +40,7 @@ from ..device import resolve_device
 from . import expert_parallel as ep
 
 TIMEOUT_S = int(os.environ.get("CONCEPTMOE_DIST_TIMEOUT", "300"))  # a collective waits this long at most
+PARENT_POLL_S = 1.0  # how often a worker checks that its torchrun agent is alive
 PARALLEL_MODES = ("ddp", "fsdp")
 
 
