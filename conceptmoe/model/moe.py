@@ -120,10 +120,12 @@ class SwiGLU(nn.Module):
 
 def _pad_groups(tok: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor, ws: torch.Tensor,
                 sentinel: int, multiple: int = CPU_GROUP_ROWS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sorted layout with every expert's rows rounded up to ``multiple``: (token of each padded
-    row, ``sentinel`` for padding), padded counts (E,), routing weights (0 for padding).
+    """The sorted layout with every expert's rows rounded up to a multiple of ``multiple``, or up
+    to a power of two below it (decoding: a few rows per expert): (token of each padded row,
+    ``sentinel`` for padding), padded counts (E,), routing weights (0 for padding).
     ``experts`` (N*K,): the expert of each sorted slot."""
-    padded = (counts + multiple - 1) // multiple * multiple
+    pow2 = torch.exp2(torch.ceil(torch.log2(counts.double()))).long()  # 0 rows stay 0
+    padded = torch.where(counts > multiple, (counts + multiple - 1) // multiple * multiple, pow2)
     rank = torch.arange(experts.numel(), device=tok.device) - (counts.cumsum(0) - counts)[experts]
     dest = (padded.cumsum(0) - padded)[experts] + rank  # padded row of each sorted slot
     M = int(padded.sum())
