@@ -10,6 +10,7 @@ boundaries, bench) take no lock: every file a run writes is replaced atomically.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -74,6 +75,13 @@ class RunLock:
         if exc_type is not None and self.created and [p.name for p in self.dir.iterdir()] == [LOCK_NAME]:
             (self.dir / LOCK_NAME).unlink(missing_ok=True)
             self.dir.rmdir()
+
+
+def held(run_dir: Path) -> contextlib.AbstractContextManager:
+    """``RunLock(run_dir)`` if the folder exists, else nothing: the lock a command takes on an
+    ``--out`` it replaces whole (``files.building``), so that a run still being written there is
+    never swapped away under its writer; a new folder needs no lock (and gets no lock file)."""
+    return RunLock(run_dir) if Path(run_dir).is_dir() else contextlib.nullcontext()
 
 
 def holds_only_lock(run_dir: Path) -> bool:

@@ -215,3 +215,16 @@ def test_a_report_file_is_replaced_whole(tmp_path):
     with replacing(path) as tmp:
         tmp.write_text("new")
     assert path.read_text() == "new" and _hidden(tmp_path) == []
+
+
+def test_force_never_replaces_a_folder_in_use(sources, tmp_path, capsys):
+    from conceptmoe.lock import RunLock
+
+    run = tmp_path / "run"
+    assert main(_argv("import-hf", sources, run)) == 0
+    before = (run / "model.safetensors").read_bytes()
+    with RunLock(run):  # e.g. `conceptmoe train --out run --resume` writing there
+        for command in ("import-hf", "convert", "export-hf"):
+            assert main([*_argv(command, sources, run), "--force"]) == 2
+            assert "in use by another conceptmoe process" in capsys.readouterr().err
+    assert (run / "model.safetensors").read_bytes() == before and _hidden(tmp_path) == []

@@ -28,7 +28,6 @@ the top-k next to the source's); ``layers`` would need new layers and is refused
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,8 @@ from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..files import building, check_out
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config, write_json
-from ..lock import RunLock
 from ..training.config import MAX_RATIO
+from ..lock import held
 from .hf_run import _copy, _sha256, save_weights
 
 STRATEGIES = ("topk", "layers", "loop")
@@ -199,7 +198,7 @@ def convert_run(src: str | Path, out: str | Path, ratio: float = 2.0, split: str
               "flops_ratio": flops_new["activated_flops_per_token"] / flops_src["activated_flops_per_token"],
               "params_ratio": flops_new["total_params"] / flops_src["total_params"]}
     # Built in a temporary sibling and renamed into place: a killed conversion leaves no half run.
-    with RunLock(out) if out.is_dir() else contextlib.nullcontext(), building(out, "convert", force, is_run(out)) as tmp:
+    with held(out), building(out, "convert", force, is_run(out)) as tmp:
         save_weights(cfg, state, tmp / "model.safetensors")
         _copy(src / "tokenizer.json", tmp / "tokenizer.json")
         doc = {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name, "model": cfg.to_dict(),

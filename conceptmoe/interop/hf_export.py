@@ -34,6 +34,7 @@ import torch
 
 from ..errors import UserError
 from ..files import building
+from ..lock import held
 from ..training.checkpoint import load_run
 from ..training.conventions import eos_list, max_length, prefix_id, token_ids
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
@@ -79,7 +80,7 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> 
     hf.generation_config = tr.GenerationConfig(pad_token_id=pad, bos_token_id=ids["bos_token_id"],
                                                eos_token_id=ids["eos_token_id"])
     # Built in a temporary sibling, renamed into place whole; --force replaces, never merges.
-    with building(out, "export-hf", force, (out / "config.json").is_file()) as tmp:
+    with held(out), building(out, "export-hf", force, (out / "config.json").is_file()) as tmp:
         hf.save_pretrained(tmp)  # config, weights, generation config and the remote-code files
         hf_tok.save_pretrained(tmp)
     return out

@@ -34,6 +34,7 @@ from safetensors.torch import save_file, save_model
 
 from ..errors import UserError
 from ..files import building, check_out
+from ..lock import held
 from ..model.config import ModelConfig
 from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
@@ -178,7 +179,7 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
     source = {"tool": "conceptmoe import-hf", "path": str(src.resolve()), "architecture": ARCHS[arch_of(hf)],
               "dtypes": dtypes, "sha256": {f: _sha256(src / f) for f in [*files, "config.json", "tokenizer.json"]},
               "hf_config": hf}
-    with building(out, "import-hf", force, replaceable(out)) as tmp:
+    with held(out), building(out, "import-hf", force, replaceable(out)) as tmp:
         save_weights(cfg, state, tmp / "model.safetensors")
         _copy(src / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
@@ -203,7 +204,7 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
     model, cfg, tok, run_cfg = load_run(run, "cpu")
     hf.update(token_ids(run_cfg, tok), max_position_embeddings=max_length(run_cfg))  # the source's, or ours
     tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
-    with building(out, "export-hf", force, replaceable(out)) as tmp:
+    with held(out), building(out, "export-hf", force, replaceable(out)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _copy(run / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "config.json", hf)
