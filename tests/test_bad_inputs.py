@@ -17,6 +17,7 @@ from conceptmoe.cli import main
 from conceptmoe.data import prepare as prep_mod
 from conceptmoe.data.digits import VLM_DATA, build_tokenizer
 from conceptmoe.data.tokenizer import save_tokenizer
+from conceptmoe.files import file_mode
 from conceptmoe.inference.generate import stream
 from conceptmoe.training.checkpoint import RUN_FORMAT, RUN_VERSION, write_json
 from test_whole_outputs import moe_run
@@ -202,6 +203,8 @@ def test_changed_shards_are_caught_by_their_hashes(prepared, tmp_path, capsys):
     data = _copy_prepared(prepared, tmp_path / "data")
     run = ["train", *TINY_TRAIN, "--data", str(data), "--out", str(tmp_path / "run"), "--save-every", "2"]
     assert main([*run, "--max-steps", "2", "--verify"]) == 0
+    for f in ("model.safetensors", "checkpoints/step-00000002/optimizer.safetensors"):
+        assert (tmp_path / "run" / f).stat().st_mode & 0o777 == file_mode()  # not safetensors' 0600
     shard = data / "train-00000.bin"
     np.fromfile(shard, dtype="<u2")[::-1].tofile(shard)  # other valid ids, same size
     capsys.readouterr()
