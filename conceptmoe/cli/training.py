@@ -26,7 +26,7 @@ from ..training.train import train
 from .args import finite_float, seed
 
 MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
-_TRAIN_FLAGS = ("model", "preset", "ratio", "strategy", "data", "out", "max_steps", "tokens",
+_TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
                 "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
                 "dtype", "compile", "expert_parallel")
@@ -59,7 +59,11 @@ def _register_train(sub) -> None:
                                    "tokenizer.json, metrics.jsonl, checkpoints/). With no flags: the small "
                                    "ConceptMoE, R=2, compute-matched to the small MoE, on Shakespeare.")
     p.add_argument("--model", choices=("conceptmoe", "moe"), help="architecture (default conceptmoe)")
-    p.add_argument("--ratio", type=finite_float, help="target compression R, tokens per concept (default 2)")
+    p.add_argument("--ratio", type=finite_float, help="target compression R, tokens per concept (default 2); "
+                                                      "with --ratios: the design ratio of compute matching")
+    p.add_argument("--ratios", metavar="R[:W],...",
+                   help="elastic training: each sequence draws its target R from this set (optional weights, "
+                        "e.g. 1.5:1,2:2,3:1,4:1); any R in the range can then be chosen at inference")
     p.add_argument("--strategy", choices=("topk", "layers", "loop", "none"),
                    help=f"the ConceptMoE is compute-matched to the preset's MoE by this reinvestment (default "
                         f"{DEFAULT_STRATEGY}); none: the preset's own ConceptMoE layout, not matched")

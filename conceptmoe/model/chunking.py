@@ -7,7 +7,8 @@
 - ``boundaries``: p >= 0.5 in eval, Bernoulli(sharpen(p)) while training ("boundary noise").
   Both rules put p = 0.5 on the boundary side, so eval and training agree on which side of
   the threshold a probability lies.
-- ``ratio_loss``: keeps the realised compression near R.
+- ``ratio_loss``: keeps the realised compression near R. ``shift_p``: the logit shift that an
+  elastic model's ratio embedding applies to p (``elastic.py``).
 - ``gather_concepts``: the padded (B, C, D) concept tensor (boundary state or mean since the
   previous boundary), its mask and per-concept probabilities.
 - ``dechunk``: EMA over concepts (parallel scan, ``scan.py``) of the concept outputs (or of the
@@ -73,8 +74,10 @@ class ChunkRouter(nn.Module):
             nn.init.constant_(self.score.bias,
                               -LINEAR_INIT_SPREAD * NormalDist().inv_cdf(1 - 1 / ratio))
 
-    def forward(self, h: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """h: (B, T, D) -> p: (B, T) in [0, 1], with p = 1 at absolute position 0."""
+    def forward(self, h: torch.Tensor, offset: int = 0, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (B, T, D) -> p: (B, T) in [0, 1], with p = 1 at absolute position 0.
+
+        ``shift`` (B,): a logit shift per row (elastic ratios, ``elastic.py``)."""
         B, T, _ = h.shape
         pos = torch.arange(offset, offset + T, device=h.device)
         if self.kind == "cosine":
@@ -85,10 +88,12 @@ class ChunkRouter(nn.Module):
             p = self._linear(h)
         else:
             p = fixed_boundaries(pos, self.ratio).float().expand(B, T)
+        if shift is not None:
+            p = shift_p(p, shift[:, None])
         return torch.where(pos == 0, torch.ones_like(p), p)
 
-    def step(self, h: torch.Tensor, last_key: torch.Tensor | None,
-             pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(self, h: torch.Tensor, last_key: torch.Tensor | None, pos: torch.Tensor,
+             shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row: h (B, D), cached W_k h_{t-1} (B, D), positions (B,) -> p (B,), new key."""
         key = None
         if self.kind == "cosine":
@@ -100,6 +105,8 @@ class ChunkRouter(nn.Module):
             p = self._linear(h)
         else:
             p = fixed_boundaries(pos, self.ratio).float()
+        if shift is not None:
+            p = shift_p(p, shift)
         return torch.where(pos == 0, torch.ones_like(p), p), key
 
     @staticmethod
@@ -118,6 +125,13 @@ class ChunkRouter(nn.Module):
         with torch.autocast(h.device.type, enabled=False):  # fp32 island
             score = F.linear(self.linear_input(h), self.score.weight.float(), self.score.bias.float())
             return torch.sigmoid(score.squeeze(-1))
+
+
+def shift_p(p: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """sigmoid(logit(p) + shift) in fp32: the elastic ratio's threshold shift (``elastic.py``)."""
+    with torch.autocast(p.device.type, enabled=False):
+        q = p.float().clamp(1e-6, 1 - 1e-6)
+        return torch.sigmoid(torch.log(q) - torch.log1p(-q) + shift.float())
 
 
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:

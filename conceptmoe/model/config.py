@@ -27,8 +27,10 @@ DECHUNK_SOURCES = ("output", "update")
 # defaults, so configs stored before they existed still compare equal (``--resume``, ``compare``
 # reuse) and the JSON of every config that does not use them stays byte-identical.
 LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
-                 "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none"}
+                 "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none",
+                 "elastic_ratios": None, "ratio_embedding": "router+concept"}
 QK_NORMS = ("none", "head", "full")
+RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
 ATTN_BIASES = ("none", "qkv", "qkvo")
 
 
@@ -88,6 +90,12 @@ class ModelConfig:
     patch_size: int = 2  # P x P pixel patches, one sequence position each
     image_token_id: int = 0  # placeholder token: n_patches of them in input_ids per image
     image_compression_ratio: float | None = None  # own target R for image positions (None: one R for all)
+    # --- elastic compression (model/elastic.py; None: one fixed R) ---
+    # The trained ratios: each training sequence draws its target R from them, and any R in
+    # [min, max] can be asked for at inference; compression_ratio is then the design ratio
+    # (compute matching, FLOPs reports, the default R at inference).
+    elastic_ratios: list[float] | None = None
+    ratio_embedding: str = "router+concept"  # how R reaches the model: "shift" | "router" | "router+concept"
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (e.g. preset name)
 
     def __post_init__(self) -> None:
@@ -145,6 +153,21 @@ class ModelConfig:
             bad("concept_n_experts", "must be a positive integer or None")
         if self.concept_top_k is not None and not 1 <= self.concept_top_k <= self.concept_experts:
             bad("concept_top_k", f"must be in [1, concept experts={self.concept_experts}]")
+        self._check_elastic(bad)
+
+    def _check_elastic(self, bad) -> None:
+        if self.ratio_embedding not in RATIO_EMBEDDINGS:
+            bad("ratio_embedding", f"must be one of {RATIO_EMBEDDINGS}")
+        rs = self.elastic_ratios
+        if rs is None:
+            return
+        if not (isinstance(rs, list) and len(rs) >= 2 and all(isinstance(r, (int, float)) and r > 1 for r in rs)
+                and rs == sorted(set(rs))):
+            bad("elastic_ratios", "must be None or an increasing list of at least two ratios > 1")
+        if not rs[0] <= self.compression_ratio <= rs[-1]:
+            bad("compression_ratio", f"the design ratio must lie in the trained range [{rs[0]:g}, {rs[-1]:g}]")
+        if self.chunk_router == "fixed" or self.image_size:
+            bad("elastic_ratios", "needs a learned router (cosine or linear) and a text-only model")
 
     def _check_images(self, bad) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 0:
@@ -215,7 +238,8 @@ class ModelConfig:
         loop = f"-loop{self.concept_loops}" if self.concept_loops > 1 else ""
         base_k = self.extra.get("base_top_k", self.top_k)
         token_k = f"-tokentop{self.top_k}" if base_k != self.top_k else ""
-        return f"ConceptMoE-{mult:g}L{loop}-top{self.concept_k}{token_k}-R{self.compression_ratio:g}"
+        elastic = f"-elastic{self.elastic_ratios[0]:g}-{self.elastic_ratios[-1]:g}" if self.elastic_ratios else ""
+        return f"ConceptMoE-{mult:g}L{loop}-top{self.concept_k}{token_k}-R{self.compression_ratio:g}{elastic}"
 
     # ----- (de)serialisation -----
     def to_dict(self) -> dict[str, Any]:
@@ -319,6 +343,11 @@ FLOAT_NULLABLE = ("image_compression_ratio",)  # float or None
 
 
 def _coerce(key: str, raw: str, default: Any) -> Any:
+    if key == "elastic_ratios":  # a comma list of ratios, or none
+        try:
+            return None if raw.lower() in ("none", "null") else sorted(float(r) for r in raw.split(","))
+        except ValueError:
+            raise ValueError(f"--set elastic_ratios: cannot parse {raw!r} as ratios like 1.5,2,3,4") from None
     if raw.lower() in ("none", "null") and key in NULLABLE + FLOAT_NULLABLE:
         return None
     try:

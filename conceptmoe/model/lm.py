@@ -28,6 +28,7 @@ from torch import nn
 from .attention import Attention, RMSNorm, rope_tables
 from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
+from .elastic import RatioEmbedding, RatioTerms, as_ratios, per_sequence_ratio_loss
 from .moe import MoE, MoEAux
 from .stats import ChunkStats, Reduce, router_losses, stats_vector
 from .vision import ImageEmbed, embed_inputs, image_mask, modality_stats
@@ -94,8 +95,8 @@ class LanguageModel(nn.Module):
             if ".attn.w" in name and name.endswith(".bias"):  # attention biases (cfg.attn_bias) start at zero
                 nn.init.zeros_(p)
                 continue
-            if p.dim() < 2 or ".attn.j" in name or "chunk." in name or name.startswith("vision."):
-                continue  # norms, zero-init joint projections, identity chunk router, patch embedding
+            if p.dim() < 2 or ".attn.j" in name or "chunk." in name or name.startswith(("vision.", "ratio_embed.")):
+                continue  # norms, zero-init joint projections, identity chunk router, patch/ratio embeddings
             scale = depth if name.endswith(("wo.weight", "w_down", "down.weight")) else 1.0
             nn.init.normal_(p, std=std * scale)
         if self.cfg.tie_embeddings:
@@ -187,6 +188,9 @@ class ConceptMoELM(LanguageModel):
         self.encoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k)
                                      for _ in range(cfg.n_encoder_layers))
         self.chunk = ChunkRouter(cfg.d_model, cfg.chunk_router, cfg.compression_ratio)
+        # Elastic models (cfg.elastic_ratios) are told each row's R (model/elastic.py).
+        self.ratio_embed = RatioEmbedding(cfg.elastic_ratios, cfg.d_model, cfg.ratio_embedding,
+                                          cfg.compression_ratio) if cfg.elastic_ratios else None
         self.concept = nn.ModuleList(Block(cfg, cfg.concept_experts, cfg.concept_k)
                                      for _ in range(cfg.n_concept_layers))
         first_joint = cfg.n_decoder_layers - cfg.n_joint_layers  # joint decoding in the last K layers
@@ -213,28 +217,49 @@ class ConceptMoELM(LanguageModel):
                 aux.append(a)
         return c, aux
 
+    def ratio_terms(self, ratio, batch: int, device: torch.device) -> RatioTerms | None:
+        """The ratio embedding of each row's R (number, or one per row; None: the design ratio);
+        None for a fixed-R model, which takes only its own R."""
+        if self.ratio_embed is None:
+            if ratio is not None and bool((as_ratios(ratio, batch, device) != self.cfg.compression_ratio).any()):
+                raise ValueError(f"ratio: this model was trained for R={self.cfg.compression_ratio:g} only "
+                                 f"(set elastic_ratios and train to choose R)")
+            return None
+        return self.ratio_embed(as_ratios(self.cfg.compression_ratio if ratio is None else ratio, batch, device))
+
+    def route(self, h: torch.Tensor, terms: RatioTerms | None, offset: int = 0) -> torch.Tensor:
+        """Boundary probabilities p (B, T) of encoder states h (B, T, D), told each row's R."""
+        if terms is None:
+            return self.chunk(h, offset)
+        return self.chunk(h if terms.router is None else h + terms.router[:, None].to(h.dtype), offset, terms.shift)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 boundaries_override: torch.Tensor | None = None,
                 boundary_noise: torch.Tensor | None = None,
-                pixel_values: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> ModelOutput:
+                pixel_values: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                ratio: float | torch.Tensor | None = None) -> ModelOutput:
         """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
         drawn from the global RNG); the trainer passes them per global sequence, so that the
         samples do not depend on how a batch is split over processes.
         ``pixel_values`` (B, N, C, H, W): the images whose placeholders ``input_ids`` hold.
         ``attention_mask`` (B, T): 1 on real positions, 0 on right padding, which is left out of
         the ratio loss's F and G and of the compression (as in evaluation); causal attention
-        already keeps padding out of the real positions."""
+        already keeps padding out of the real positions.
+        ``ratio``: the target R of an elastic model, one number or one per row (B,) (default: the
+        design ratio); its ratio loss is then per sequence, against each row's own R."""
         cfg = self.cfg
         h, moe_aux = self.encode(input_ids, pixel_values)  # (B, T, D)
-        p = self.chunk(h)  # (B, T)
+        terms = self.ratio_terms(ratio, h.shape[0], h.device)
+        p = self.route(h, terms)  # (B, T)
         if boundaries_override is not None:
             b = boundaries_override.to(torch.bool).clone()
             b[:, 0] = True
         else:
             b = boundaries(p, self.training, cfg.boundary_noise, cfg.boundary_sharpness, boundary_noise)
         ch = gather_concepts(h, p, b, cfg.concept_pooling)
-        c, aux_c = self.run_concepts(ch.concepts, ch.mask)  # (B, C, D)
-        z_tok, z_res = dechunk(ch, c, ch.concepts if cfg.dechunk_source == "update" else None)
+        c_in = self.concept_input(ch.concepts, ch.mask, terms)
+        c, aux_c = self.run_concepts(c_in, ch.mask)  # (B, C, D)
+        z_tok, z_res = dechunk(ch, c, c_in if cfg.dechunk_source == "update" else None)
         x = h + z_res
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         aux_d = []
@@ -247,6 +272,8 @@ class ConceptMoELM(LanguageModel):
         balance, z_loss, (F_, G, compression) = self._router_terms(moe_aux + aux_c + aux_d, chunk)
         R = cfg.compression_ratio
         rl = ratio_loss_fg(F_, G, R) if R > 1 else p.new_zeros(())
+        if terms is not None:  # each row against its own R (mean over rows: exact per micro-batch)
+            rl = per_sequence_ratio_loss(p, b, terms.ratio, real)[0]
         img = image_mask(cfg, input_ids)
         if img is not None and cfg.image_compression_ratio is not None:
             rl = self._modality_ratio_loss(p, b, img if real is None else img & real, real)
@@ -261,6 +288,14 @@ class ConceptMoELM(LanguageModel):
         out.boundaries, out.chunks = b, ch
         return out
 
+
+    @staticmethod
+    def concept_input(concepts: torch.Tensor, mask: torch.Tensor, terms: RatioTerms | None) -> torch.Tensor:
+        """The concept model's input (B, C, D): the concepts, plus the ratio's concept vector
+        (``ratio_embedding="router+concept"``) on real concepts."""
+        if terms is None or terms.concept is None:
+            return concepts
+        return concepts + (terms.concept[:, None] * mask[..., None]).to(concepts.dtype)
 
     def _modality_ratio_loss(self, p: torch.Tensor, b: torch.Tensor, img: torch.Tensor,
                              real: torch.Tensor | None = None) -> torch.Tensor:

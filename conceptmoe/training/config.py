@@ -19,6 +19,8 @@ from ..model.config import ModelConfig
 from ..model.match import match_config
 from . import checkpoint as ck
 from ..data.corpus import DEFAULT_CORPUS
+from ..data.recipes import RECIPES
+from .elastic import parse_ratios
 from .init_run import resolve_init
 from ..data.digits import VLM_DATA
 
@@ -29,7 +31,7 @@ MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
 MAX_SEED = 2**32 - 1  # seeds are mixed with step counts into 64-bit generator seeds (loop.py, corpus.py)
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight", "router_confidence_weight",
-                "concept_pooling", "joint_decoding")
+                "concept_pooling", "joint_decoding", "elastic_ratios", "ratio_embedding")
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
                               "concept_loops", "concept_n_experts", "concept_top_k")
@@ -43,7 +45,9 @@ class TrainConfig:
 
     model: str = "conceptmoe"  # "conceptmoe" or "moe"
     preset: str = "small"
-    ratio: float = 2.0  # target compression R (ConceptMoE)
+    ratio: float = 2.0  # target compression R (ConceptMoE); with ``ratios``: the design ratio
+    # Elastic training (training/elastic.py): [[R, weight], ...], each sequence draws its R (--ratios)
+    ratios: list[list[float]] | None = None
     strategy: str | None = None  # "topk" | "layers" | "loop": compute-matched to the MoE preset
     overrides: dict[str, Any] = field(default_factory=dict)  # --set key=value
     data: str | None = None  # None: the Shakespeare corpus
@@ -116,6 +120,9 @@ class TrainConfig:
             raise UserError("min_lr_ratio must be in [0, 1] and weight_decay >= 0")
         if self.model == "conceptmoe" and not 1 < self.ratio <= MAX_RATIO:
             raise UserError(f"--ratio must be > 1 and <= {MAX_RATIO} (got {self.ratio:g})")
+        self.ratios = parse_ratios(self.ratios)
+        if self.ratios and self.model == "moe":
+            raise UserError("--ratios trains an elastic ConceptMoE; it cannot be combined with --model moe")
         self.data = resolve_data(self.data)  # stored resolved: resumable from anywhere
         if self.init is not None:
             if self.strategy:
@@ -133,6 +140,8 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         for transient in ("resume", "force", "progress", "verify"):
             d.pop(transient)
+        if d["ratios"] is None:  # a fixed-R run's config stays as it was before --ratios existed
+            del d["ratios"]
         return d
 
     @classmethod
@@ -165,12 +174,23 @@ def trained_as(stored: dict[str, Any], tc: TrainConfig) -> bool:
 
 
 def resolve_data(data: str | None) -> str | None:
-    """An absolute --data path (the default corpus and the digits task keep their names)."""
-    return data if data is None or str(data) in (DEFAULT_CORPUS, VLM_DATA) else str(Path(data).resolve())
+    """An absolute --data path (the default corpus, the recipes and the digits task keep their names)."""
+    named = (DEFAULT_CORPUS, VLM_DATA) + RECIPES
+    return data if data is None or str(data) in named else str(Path(data).resolve())
 
 
 def model_config(tc: TrainConfig) -> ModelConfig:
     """The ModelConfig a TrainConfig asks for (preset, kind, R, matching strategy, --set)."""
+    try:
+        mc = _model_config(tc)
+        if tc.ratios and mc.is_concept:
+            mc = mc.replace(elastic_ratios=[r for r, _ in tc.ratios])
+        return mc
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+
+
+def _model_config(tc: TrainConfig) -> ModelConfig:
     try:
         if tc.init_model is not None:  # --init: the init run's model, with --set on top
             return ModelConfig.from_dict({**tc.init_model, **tc.overrides})

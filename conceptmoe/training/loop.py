@@ -36,6 +36,7 @@ from ..errors import Interrupted, UserError
 from ..parallel import distributed, expert_parallel
 from . import parallel_checkpoint
 from .config import TrainConfig
+from .elastic import sample_ratios
 from ..data.corpus import BatchSampler
 from ..parallel.distributed import Dist
 from .signals import StopOnSignal
@@ -188,6 +189,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
     bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not (tc.progress and d.main),
                dynamic_ncols=True, mininterval=1.0)
     saved, skipped = step, 0
+    cfg = lp.raw.cfg
+    elastic = (tc.ratios or [[r, 1.0] for r in cfg.elastic_ratios]) if getattr(cfg, "elastic_ratios", None) else None
     log = open(out / "metrics.jsonl", "a") if d.main else None
     try:
         while step < total:
@@ -198,6 +201,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             batch = as_batch(lp.sampler.next())  # the global batch (the model shifts the labels)
             x = batch["input_ids"]
             u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
+            if elastic:  # each sequence's target R, sliced with the rows (training/elastic.py)
+                batch = {**batch, "ratio": sample_ratios(tc.seed, step * x.shape[0], x.shape[0], elastic)}
             lp.opt.zero_grad(set_to_none=True)
             loss, aux = forward_backward(lp, batch, u)
             gnorm = _grad_norm(lp.model, tc.grad_clip)

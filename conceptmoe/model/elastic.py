@@ -1,0 +1,125 @@
+"""Elastic compression: one ConceptMoE, its ratio R chosen per sequence (issue 21; CONCEPTMOE.md §2).
+
+A model with ``elastic_ratios`` (the trained set R_1 < ... < R_K) is trained on sequences that
+each draw their own target R_i, and is told R_i by ``RatioEmbedding``:
+
+- a logit shift s(R) of the router's boundary probability, p' = sigmoid(logit(p) + s(R))
+  (every mode; ``ratio_embedding="shift"`` is this alone: the threshold-shift baseline, where
+  the router moves its threshold but the concept layers never learn which R made their chunks);
+- ``"router"``: also a vector e_r(R) added to the router's input ĥ (B, T, D) before W_q/W_k, so
+  the router can change *which* positions it cuts, not only how many;
+- ``"router+concept"``: also a vector e_c(R) added to the concepts entering the concept model, so
+  the concept layers know the chunk lengths they are given.
+
+Every parameter is a table with one row per trained ratio, interpolated piecewise-linearly in
+log R between the trained ratios (``interp_weights``); outside [R_1, R_K] the end segments are
+extended, which callers refuse unless asked to extrapolate (``check_ratio``).
+
+The ratio loss is per sequence: F_i and G_i over row i's real positions, L_i against R_i, then
+the mean over the rows (``per_sequence_ratio_loss``). A sequence never spans micro-batches or
+processes, and those hold equal numbers of rows, so the local mean per micro-batch is exact under
+``grad_accum`` and data parallelism (the trainer divides by K, data parallelism averages over W:
+the gradient is that of the mean over the global batch), unlike F and G of the fixed-R loss,
+which are global sums (``stats.py``).
+
+Shape legend: B batch, T tokens, K trained ratios, D d_model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .chunking import ratio_loss_fg
+
+
+@dataclass
+class RatioTerms:
+    """What the model adds for each row's ratio."""
+
+    ratio: torch.Tensor  # (B,) the requested R per row
+    shift: torch.Tensor  # (B,) logit shift of the boundary probability
+    router: torch.Tensor | None  # (B, D) added to the router's input, or None
+    concept: torch.Tensor | None  # (B, D) added to the concepts, or None
+
+
+def interp_weights(ratio: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear weights in log R over sorted knots (K,): ratio (B,) -> (B, K), rows sum to 1.
+
+    Beyond the ends the first/last segment is extended linearly (weights may leave [0, 1])."""
+    x, k = ratio.float().log(), knots.float().log()
+    K = k.numel()
+    if K == 1:
+        return torch.ones(x.shape[0], 1, device=x.device)
+    i = (torch.searchsorted(k, x.contiguous(), right=True) - 1).clamp(0, K - 2)  # (B,) segment
+    t = (x - k[i]) / (k[i + 1] - k[i])  # (B,) position inside it
+    w = torch.zeros(x.shape[0], K, device=x.device)
+    w.scatter_(1, i[:, None], (1 - t)[:, None])
+    return w.scatter_add(1, (i + 1)[:, None], t[:, None])
+
+
+class RatioEmbedding(nn.Module):
+    """Per-trained-ratio tables (shift, router vector, concept vector), interpolated in log R."""
+
+    def __init__(self, ratios: list[float], d: int, mode: str, design: float) -> None:
+        super().__init__()
+        self.mode = mode
+        self.register_buffer("knots", torch.tensor(sorted(ratios), dtype=torch.float32), persistent=False)
+        # Start from the boundary odds of 1/R relative to the design ratio: the router begins near
+        # its fixed-R behaviour at ``design`` and cuts more (fewer) boundaries below (above) it.
+        self.shift = nn.Parameter(math.log(design - 1) - torch.log(self.knots - 1))  # (K,)
+        K = len(ratios)
+        self.router = nn.Parameter(torch.zeros(K, d)) if mode != "shift" else None  # (K, D)
+        self.concept = nn.Parameter(torch.zeros(K, d)) if mode == "router+concept" else None
+
+    def forward(self, ratio: torch.Tensor) -> RatioTerms:
+        w = interp_weights(ratio, self.knots)  # (B, K)
+        with torch.autocast(w.device.type, enabled=False):  # fp32: small tables, exact interpolation
+            mix = lambda t: None if t is None else w @ t.float()  # noqa: E731
+            return RatioTerms(ratio, w @ self.shift.float(), mix(self.router), mix(self.concept))
+
+
+def per_sequence_ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor,
+                            real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean over rows of L_i = ratio loss(F_i, G_i, R_i); also (F (B,), G (B,)).
+
+    p (B, T) probabilities, b (B, T) decisions, ratio (B,), real (B, T) bool real positions."""
+    with torch.autocast(p.device.type, enabled=False):  # fp32 island
+        w = torch.ones_like(p, dtype=torch.float32) if real is None else real.float()
+        n = w.sum(1).clamp_min(1)  # (B,)
+        F_ = ((b.float() * w).sum(1) / n).detach()
+        G = (p.float() * w).sum(1) / n
+        return ratio_loss_fg(F_, G, ratio.float()).mean(), F_, G
+
+
+def as_ratios(ratio, batch: int, device: torch.device) -> torch.Tensor:
+    """A ratio argument (number, sequence or tensor of one per row) as a (B,) float tensor."""
+    r = torch.as_tensor(ratio, dtype=torch.float32, device=device).flatten()
+    if r.numel() == 1:
+        r = r.expand(batch)
+    if r.numel() != batch:
+        raise ValueError(f"ratio: one value or one per row ({batch}), got {r.numel()}")
+    return r
+
+
+def check_ratio(cfg, ratios: list[float], extrapolate: bool = False) -> str | None:
+    """Why these requested ratios cannot be served by this config (None: they can)."""
+    if not cfg.is_concept:
+        return "--ratio applies to ConceptMoE runs only (this run is a plain MoE)"
+    bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
+    if bad:
+        return f"a ratio must be a number > 1, got {bad[0]:g}"
+    if cfg.elastic_ratios is None:
+        off = [r for r in ratios if abs(r - cfg.compression_ratio) > 1e-9]
+        if off:
+            return (f"this run was trained for R={cfg.compression_ratio:g} only (not elastic); "
+                    f"train with --ratios to choose R at inference")
+        return None
+    lo, hi = min(cfg.elastic_ratios), max(cfg.elastic_ratios)
+    out = [r for r in ratios if not lo - 1e-9 <= r <= hi + 1e-9]
+    if out and not extrapolate:
+        return f"R={out[0]:g} is outside the trained range [{lo:g}, {hi:g}]; pass --extrapolate to try it anyway"
+    return None

@@ -1,0 +1,177 @@
+"""Elastic compression (issue 21): one model, R chosen per sequence.
+
+The per-sequence ratio loss against the hand formula, the ratio embedding reaching the router
+(forward and cached step), log-R interpolation, the ratio draw as a pure function of (seed,
+sample index), gradient accumulation and resume of an elastic run, and configs that do not use
+it staying as they were.
+"""
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conceptmoe.errors import Interrupted, UserError
+from conceptmoe.model.config import ModelConfig
+from conceptmoe.model.elastic import check_ratio, interp_weights
+from conceptmoe.model.lm import build_model
+from conceptmoe.training import checkpoint as ck
+from conceptmoe.training import loop
+from conceptmoe.training.config import TrainConfig
+from conceptmoe.training.elastic import parse_ratios, sample_ratios
+from conceptmoe.training.train import train
+from training_helpers import TINY, make_corpus
+
+RATIOS = [1.5, 2.0, 3.0, 4.0]
+
+
+def _model(mode: str = "router+concept", seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    m = build_model(ModelConfig.from_preset("tiny", elastic_ratios=RATIOS, ratio_embedding=mode, **kw))
+    with torch.no_grad():  # random, independent tables (the zero start would hide a dropped term)
+        for name, p in m.ratio_embed.named_parameters():
+            p.normal_(0, 0.5 if name == "shift" else 0.3)
+    return m
+
+
+def test_per_sequence_ratio_loss_equals_hand_formula():
+    m = _model().train()
+    x = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(1))
+    R = torch.tensor([1.5, 4.0, 2.0, 3.0])
+    u = torch.rand(4, 24, generator=torch.Generator().manual_seed(2))
+    out = m(x, labels=x, ratio=R, boundary_noise=u)
+    p, b = out.chunks.p, out.boundaries
+    F_, G = b.float().mean(1).detach(), p.float().mean(1)  # per row
+    hand = (R / (R - 1) * ((R - 1) * F_ * G + (1 - F_) * (1 - G))).mean()
+    rl = out.aux["ratio_loss"]
+    assert torch.allclose(rl, hand, atol=1e-6)
+    # Not the batch-level F and G: rows with different R and boundary counts give another value.
+    Fb, Gb = b.float().mean(), p.float().mean()
+    assert abs(float((R / (R - 1) * ((R - 1) * Fb * Gb + (1 - Fb) * (1 - Gb))).mean() - rl)) > 1e-3
+    # F carries no gradient: the gradients equal the hand formula's.
+    shift = m.ratio_embed.shift
+    g1, = torch.autograd.grad(rl, shift, retain_graph=True)
+    g2, = torch.autograd.grad(hand, shift)
+    assert torch.allclose(g1, g2, atol=1e-7) and g1.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["router", "router+concept"])
+def test_ratio_embedding_reaches_the_router(mode):
+    m = _model(mode).eval()
+    with torch.no_grad():
+        m.ratio_embed.shift.zero_()  # no threshold shift: only the vector can move p
+    x = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(3))
+    h, _ = m.encode(x)
+    for r in (1.5, 2.5, 4.0):
+        t = m.ratio_embed(torch.full((2,), r))
+        want = m.chunk(h + t.router[:, None])  # p of the shifted router input, by hand
+        got = m(x, ratio=r).chunks.p
+        assert torch.allclose(got, want, atol=1e-6)
+    assert not torch.allclose(m(x, ratio=1.5).chunks.p, m(x, ratio=4.0).chunks.p, atol=1e-4)
+
+
+def test_concept_embedding_reaches_the_concept_model():
+    m = _model("router+concept").eval()
+    x = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    b = torch.rand(1, 20, generator=torch.Generator().manual_seed(5)) < 0.5
+    a = m(x, ratio=2.0, boundaries_override=b).logits
+    with torch.no_grad():
+        m.ratio_embed.concept.zero_()
+    assert not torch.allclose(a, m(x, ratio=2.0, boundaries_override=b).logits, atol=1e-5)
+
+
+def test_shift_baseline_changes_only_the_threshold():
+    m = _model("shift").eval()
+    assert m.ratio_embed.router is None and m.ratio_embed.concept is None
+    x = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    h, _ = m.encode(x)
+    p0 = m.chunk(h)
+    s = float(m.ratio_embed(torch.tensor([3.0])).shift)
+    want = torch.sigmoid(torch.logit(p0.clamp(1e-6, 1 - 1e-6)) + s)
+    want[:, 0] = 1
+    assert torch.allclose(m(x, ratio=3.0).chunks.p, want, atol=1e-5)
+
+
+def test_interpolation_in_log_ratio():
+    knots = torch.tensor(RATIOS)
+    w = interp_weights(knots, knots)
+    assert torch.allclose(w, torch.eye(4))  # the trained ratios read their own rows
+    mid = interp_weights(torch.tensor([(2.0 * 3.0) ** 0.5]), knots)  # geometric midpoint of 2 and 3
+    assert torch.allclose(mid, torch.tensor([[0, 0.5, 0.5, 0]]), atol=1e-6)
+    out = interp_weights(torch.tensor([8.0]), knots)  # beyond 4: the last segment extended
+    assert torch.allclose(out.sum(1), torch.ones(1)) and out[0, 3] > 1 and out[0, 2] < 0
+
+
+def test_ratio_draw_is_a_pure_function_of_seed_and_sample_index():
+    pairs = parse_ratios("1.5:1,2:2,3:1,4:1")
+    assert pairs == [[1.5, 1.0], [2.0, 2.0], [3.0, 1.0], [4.0, 1.0]]
+    whole = sample_ratios(7, 0, 64, pairs)
+    assert torch.equal(sample_ratios(7, 10, 6, pairs), whole[10:16])  # any batch split
+    assert not torch.equal(sample_ratios(8, 0, 64, pairs), whole)
+    many = sample_ratios(0, 0, 20000, pairs)
+    share = (many == 2.0).float().mean()
+    assert abs(share - 0.4) < 0.02 and set(many.unique().tolist()) == {1.5, 2.0, 3.0, 4.0}
+
+
+@pytest.mark.parametrize("spec", ["2", "2,2", "1,2", "2:0,3", "a,b", "2:x,3"])
+def test_bad_ratio_sets_are_refused(spec):
+    with pytest.raises(UserError, match="--ratios"):
+        parse_ratios(spec)
+
+
+def test_configs_without_elastic_ratios_are_unchanged():
+    cfg = ModelConfig.from_preset("tiny")
+    assert "elastic_ratios" not in cfg.to_dict() and "ratio_embedding" not in cfg.to_dict()
+    assert "ratios" not in TrainConfig(**TINY).to_dict()
+    assert not hasattr(build_model(cfg), "ratio_embed") or build_model(cfg).ratio_embed is None
+    with pytest.raises(ValueError, match="trained range"):
+        ModelConfig.from_preset("tiny", elastic_ratios=[3.0, 4.0])  # design R=2 outside
+    with pytest.raises(ValueError, match="ratio_embedding"):
+        ModelConfig.from_preset("tiny", elastic_ratios=RATIOS, ratio_embedding="mlp")
+    el = ModelConfig.from_preset("tiny", elastic_ratios=RATIOS)
+    assert check_ratio(el, [5.0]) and check_ratio(el, [5.0], extrapolate=True) is None
+    assert check_ratio(cfg, [3.0]) and check_ratio(cfg, [2.0]) is None
+
+
+def test_grad_accum_equals_one_batch(tmp_path):
+    """Per-sequence ratio loss under --grad-accum 2: the same metrics and weights as one batch."""
+    corpus = make_corpus(tmp_path / "c", n_docs=3, chars=3000)
+    runs = {}
+    for k in (1, 2):
+        tc = TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / f"k{k}"), max_steps=3, ratios="1.5,2,3,4",
+                         grad_accum=k, eval_every=0, val_tokens=200, seed=3, dtype="fp32")
+        runs[k] = train(tc)
+    a, b = ck.read_metrics(runs[1]), ck.read_metrics(runs[2])
+    for ra, rb in zip(a, b):
+        for key in ("loss", "ratio_loss", "compression", "grad_norm"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
+    wa, wb = load_file(runs[1] / "model.safetensors"), load_file(runs[2] / "model.safetensors")
+    assert all(torch.allclose(wa[n], wb[n], atol=1e-5) for n in wa)
+
+
+def test_resume_of_an_elastic_run_is_exact(tmp_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", n_docs=3, chars=3000)
+    kw = dict(**TINY, data=str(corpus), max_steps=6, save_every=3, ratios="1.5:1,2:2,4:1", eval_every=0,
+              val_tokens=200, seed=5, dtype="fp32")
+    ref = train(TrainConfig(**kw, out=str(tmp_path / "ref")))
+    real = loop.boundary_uniforms
+
+    def stop_at_4(seed, step, shape):  # a SIGTERM during step 4: checkpoint, then stop
+        if step == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(seed, step, shape)
+
+    monkeypatch.setattr(loop, "boundary_uniforms", stop_at_4)
+    out = tmp_path / "cut"
+    with pytest.raises(Interrupted):
+        train(TrainConfig(**kw, out=str(out)))
+    monkeypatch.setattr(loop, "boundary_uniforms", real)
+    assert len(ck.read_metrics(out)) == 4
+    train(TrainConfig(**kw, out=str(out), resume=True))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert strip(ck.read_metrics(out)) == strip(ck.read_metrics(ref))
+    a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "config.json").read_text())["train"]["ratios"] == [[1.5, 1.0], [2.0, 2.0], [4.0, 1.0]]
