@@ -116,3 +116,32 @@ def test_bad_settings():
         CompareConfig(ratios=[1.0])
     with pytest.raises(UserError, match="--seeds"):
         CompareConfig(seeds=[1, 1])
+
+
+def test_report_states_the_epochs_of_the_training_data(report_dir):
+    out, cc = report_dir
+    rep = json.loads((out / "report.json").read_text())
+    record = json.loads((out / "moe" / "seed0" / "config.json").read_text())["data"]
+    trained = max(m["tokens"] for m in ck.read_metrics(out / "moe" / "seed0"))
+    assert trained >= cc.tokens
+    assert rep["data"]["train_tokens"] == record["train_tokens"] and rep["data"]["sha256"] == record["sha256"]
+    assert rep["data"]["epochs"] == pytest.approx(trained / record["train_tokens"])
+    assert all(r["epochs"] == pytest.approx(rep["data"]["epochs"]) for r in rep["models"])
+    md = (out / "report.md").read_text()
+    assert f"Training data: {record['train_tokens']:,} tokens" in md
+    assert f"**{rep['data']['epochs']:.2f} epochs**" in md
+
+
+def test_report_flags_more_than_two_epochs():
+    from conceptmoe.evaluation.compare_report import data_epochs, data_line
+
+    record = {"source": "python-stdlib", "sha256": "ab" * 32, "train_tokens": 1000, "val_tokens": 50,
+              "recipe": {"version": "CPython 3.11.7", "sha256": "cd" * 32}}
+    two = data_epochs(record, [[{"tokens": 1000}, {"tokens": 2000}], [{"tokens": 2000}]])
+    assert two["epochs"] == 2.0 and two["tokens_trained"] == 2000 and two["recipe"] == record["recipe"]
+    assert "**2.00 epochs**" in data_line(two) and "not a headline" not in data_line(two)
+    assert "CPython 3.11.7, fingerprint cdcdcdcdcdcd" in data_line(two)
+    three = data_epochs(record, [[{"tokens": 3000}]])
+    assert "**3.00 epochs**" in data_line(three) and "More than 2 epochs" in data_line(three)
+    assert data_epochs({}, [[{"tokens": 10}]])["epochs"] is None
+    assert "epochs unknown" in data_line(data_epochs({}, [[{"tokens": 10}]]))

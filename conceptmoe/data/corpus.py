@@ -14,6 +14,8 @@ held-out split that neither model trains on).
   one, when there are enough of them. The fraction shrinks so that validation never exceeds
   ``MAX_VAL_CHARS``. (Runs made before this rule, whose config.json has no ``data`` record,
   keep their old split: ``split_documents_legacy``.)
+- ``--data python-stdlib`` / ``--data kjv``: named corpora built from installed files
+  (recipes.py), split by the same rule; their record adds the recipe's version and fingerprint.
 - ``Corpus.record()``: the resolved source, document count and a SHA-256 of everything read:
   stored in a run's config.json, so that a run resumed or evaluated later notices a changed
   corpus instead of silently training on other text.
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from . import recipes
 
 DEFAULT_CORPUS = "shakespeare"
 HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")
@@ -62,9 +65,10 @@ class Document:
 class Corpus:
     """Training and validation documents from one source."""
 
-    source: str  # DEFAULT_CORPUS or the resolved --data path
+    source: str  # DEFAULT_CORPUS, a recipe name (recipes.py) or the resolved --data path
     train: list[Document]
     val: list[Document]
+    recipe: dict | None = None  # a recipe's record (recipes.describe): version and fingerprint
 
     @property
     def train_text(self) -> str:
@@ -83,13 +87,18 @@ class Corpus:
             n_chars += len(d.text)
         return {"source": self.source, "sha256": h.hexdigest(), "chars": n_chars,
                 "train_documents": len(self.train), "val_documents": len(self.val),
-                "split": SPLIT_RULE if self.source != DEFAULT_CORPUS else "held-out plays"}
+                "split": SPLIT_RULE if self.source != DEFAULT_CORPUS else "held-out plays",
+                **({"recipe": self.recipe} if self.recipe else {})}
 
 
 def load_corpus(data: str | Path | None = None, legacy_split: bool = False) -> Corpus:
     """The default Shakespeare corpus (``data=None``) or a user corpus, split train/val."""
     if data is None or str(data) == DEFAULT_CORPUS:
         return _shakespeare()
+    if recipes.is_recipe(data):  # a named corpus built from installed files: split like any other
+        pairs = list(recipes.documents(str(data)))
+        train, val = split_documents([Document(name, text) for name, text in pairs])
+        return Corpus(str(data), train, val, recipes.describe(str(data), pairs))
     docs = read_documents(data)
     train, val = (split_documents_legacy if legacy_split else split_documents)(docs)
     return Corpus(str(Path(data).resolve()), train, val)

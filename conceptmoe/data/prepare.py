@@ -42,6 +42,7 @@ from ..lock import LOCK_NAME, RunLock
 from .shards import (FORMAT, MANIFEST, PROGRESS, SPLITS, TOKENIZER, VERSION, dtype_for, file_sha256, read_progress,
                      shard_name)
 from .tokenizer import BYTE_ALPHABET
+from . import recipes
 from .sources import fingerprint, iter_documents
 from .tokenizer import load_tokenizer, pieces, save_tokenizer, sha256, splits_safely, train_tokenizer
 from .tokenizer import byte_lengths, separator_ids
@@ -254,7 +255,9 @@ def prepare(cfg: PrepareConfig) -> Path:
     given = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     if given is not None:
         check_text_tokenizer(given, cfg.tokenizer)
-    options = {"source": str(Path(cfg.data).resolve()), "fingerprint": fingerprint(cfg.data),
+    about = recipes.describe(cfg.data) if recipes.is_recipe(cfg.data) else None  # reads a recipe's text once
+    options = {"source": cfg.data if about else str(Path(cfg.data).resolve()),
+               "fingerprint": about["sha256"] if about else fingerprint(cfg.data), "recipe": about,
                "text_field": cfg.text_field, "shard_tokens": cfg.shard_tokens,
                "tokenizer": sha256(given) if given else None,
                "vocab_size": None if given else cfg.vocab_size or DEFAULT_VOCAB,
@@ -309,7 +312,8 @@ def _finish(out: Path, state: dict, rule: SplitRule) -> None:
         raise UserError("the data is too short to hold out validation text; give more text")
     opts = state["options"]
     write_json(out / MANIFEST, {
-        "format": FORMAT, "version": VERSION, "source": opts["source"], "text_field": opts["text_field"],
+        "format": FORMAT, "version": VERSION, "source": opts["source"], "fingerprint": opts["fingerprint"],
+        **({"recipe": opts["recipe"]} if opts.get("recipe") else {}), "text_field": opts["text_field"],
         "tokenizer": state["tokenizer"], "dtype": state["dtype"],
         "split": {"rule": SPLIT_RULE, "frac": rule.frac, "every": rule.every, "tails_only": rule.tails_only},
         "splits": state["splits"]})

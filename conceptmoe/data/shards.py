@@ -9,7 +9,8 @@ once; ``conceptmoe train --data DIR`` then memory-maps it. A prepared directory 
   the plain-text path (documents joined by the ids of ``DOC_SEP``, held-out rule of
   ``data.split_documents``);
 - ``tokenizer.json``: the tokenizer those ids belong to;
-- ``manifest.json``, written last: format version, source, tokenizer hash, dtype, and per split
+- ``manifest.json``, written last: format version, source, the source's fingerprint (and a
+  recipe's record: ``recipes.describe``), tokenizer hash, dtype, and per split
   the documents, tokens, characters and UTF-8 bytes, and the shard list with SHA-256 hashes.
 
 ``open_prepared(dir)`` gives ``Prepared``: ``train_tokens`` / ``val_tokens`` are ``TokenView``
@@ -121,7 +122,7 @@ class Prepared:
         return {"source": str(self.dir), "sha256": self.sha256,
                 "chars": s["train"]["chars"] + s["val"]["chars"],
                 "train_documents": s["train"]["documents"], "val_documents": s["val"]["documents"],
-                "split": SPLIT_RULE}
+                "split": SPLIT_RULE, **({"recipe": self.manifest["recipe"]} if self.manifest.get("recipe") else {})}
 
     def tokenizer(self, given: str | Path | None = None, vocab_size: int | None = None) -> Tokenizer:
         """The shards' tokenizer; a one-line error when ``given`` differs or it exceeds ``vocab_size``."""

@@ -7,11 +7,13 @@ document by document, never whole. Sources:
   sorted paths, searched recursively): the same documents as ``data.read_documents``;
 - ``.jsonl`` or ``.jsonl.gz``: one JSON object per line, the text in ``text_field``;
 - ``.parquet``: the string column ``text_field``, read in record batches (needs ``pyarrow``,
-  the optional extra ``conceptmoe[prepare]``).
+  the optional extra ``conceptmoe[prepare]``);
+- a recipe name (``python-stdlib``, ``kjv``: recipes.py): its documents in their fixed order.
 
 Empty and whitespace-only documents are skipped, as ``data.read_documents`` does.
 ``fingerprint`` identifies a source by names, sizes and modification times: a resumed prepare
-checks it instead of re-reading everything.
+checks it instead of re-reading everything. A recipe's fingerprint is its content hash
+(``recipes.describe``): it reads the text, but is the same on every machine holding that text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import UserError
+from . import recipes
 from .corpus import TEXT_SUFFIXES, Document, read_text_file
 
 PARQUET_BATCH = 1024  # rows per record batch
@@ -30,6 +33,8 @@ PARQUET_BATCH = 1024  # rows per record batch
 
 def kind(path: Path) -> str:
     name = path.name.lower()
+    if recipes.is_recipe(path):
+        return "recipe"
     if path.is_dir():
         return "folder"
     for suffix in (".jsonl.gz", ".jsonl", ".parquet"):
@@ -52,7 +57,9 @@ def files(data: str | Path) -> list[Path]:
 
 
 def fingerprint(data: str | Path) -> str:
-    """SHA-256 over the source's file names, sizes and modification times."""
+    """SHA-256 over the source's file names, sizes and modification times (a recipe: its content)."""
+    if recipes.is_recipe(data):
+        return recipes.describe(str(data))["sha256"]
     h = hashlib.sha256()
     for f in files(data):
         st = f.stat()
@@ -64,7 +71,9 @@ def iter_documents(data: str | Path, text_field: str = "text") -> Iterator[Docum
     """Non-empty documents of a source, in order, one in memory at a time."""
     path = Path(data)
     k = kind(path)
-    if k == "folder":
+    if k == "recipe":
+        docs = (Document(name, text) for name, text in recipes.documents(str(data)))
+    elif k == "folder":
         docs = (Document(str(f.relative_to(path)), read_text_file(f)) for f in files(path))
     elif k in ("jsonl", "jsonl.gz"):
         docs = _jsonl(path, text_field)

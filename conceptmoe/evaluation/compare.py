@@ -32,8 +32,8 @@ from ..lock import RunLock, holds_only_lock
 from ..data.shards import is_prepared, open_prepared
 from ..data.tokenizer import save_tokenizer, train_tokenizer
 from ..training.train import train
-from .compare_report import (build_vlm_report, plot_curves, plot_p_histograms, render_markdown,  # noqa: F401 (re-exported)
-                             render_vlm_markdown, verdict)
+from .compare_report import (build_vlm_report, data_epochs, plot_curves, plot_p_histograms,  # noqa: F401 (re-exported)
+                             render_markdown, render_vlm_markdown, verdict)
 from ..data.digits import VLM_DATA
 
 DEFAULT_COMPARE_TOKENS = 300_000  # x 3 seeds x 2 models: ~20-30 min on 2 CPU cores (docs/study)
@@ -266,7 +266,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> dict[str, Any]:
-    rows = []
+    rows, datas = [], []
     for label, tc in models:
         mc = model_config(tc)
         runs = [Path(cc.out) / label / f"seed{s}" for s in cc.seeds_for(label)]
@@ -281,6 +281,8 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
         curve = _mean_curve(metrics)
         curve_time = _mean_time_curve(metrics)
         p_hist = _p_histogram(runs[0], evals[0]) if mc.is_concept else None
+        data = data_epochs(ck.read_run_config(runs[0]).get("data") or {}, metrics)
+        datas.append(data)
         rows.append({"label": label, "name": mc.name, "strategy": tc.strategy, "ratio": tc.ratio if mc.is_concept else 1.0,
                      "val_bpb": bpb, "val_bpb_std": bpb_sd, "val_bpb_seeds": [e["val_bpb"] for e in evals],
                      "val_loss": statistics.fmean(e["val_loss"] for e in evals), "compression": comp,
@@ -290,8 +292,10 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
                      "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
                      "train_tokens_per_s": tps, "curve": curve, "curve_seconds": curve_time,
                      "seeds": cc.seeds_for(label), "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
+                     "epochs": data["epochs"],
                      **(_decisiveness(p_hist) if p_hist else {})})
-    return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "models": rows, "verdict": verdict(rows)}
+    return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "data": datas[0], "models": rows,  # the baseline's
+            "verdict": verdict(rows)}
 
 
 HIST_TOKENS = 65_536  # held-out tokens for the boundary-probability histogram of runs that lack one

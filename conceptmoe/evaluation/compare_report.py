@@ -1,7 +1,9 @@
 """The comparison's report: verdict lines, ``report.md`` and the plots (``curves.png``: val BPB
 against training tokens and wall-clock; ``p_hist.png``: the routers' boundary probabilities).
 
-``compare.build_report`` makes a text comparison's report dict; this module renders it. On the
+``compare.build_report`` makes a text comparison's report dict; this module renders it, with
+the epochs of the training data each budget used (``data_epochs``: a figure past
+``MAX_HEADLINE_EPOCHS`` repeats its data and is flagged). On the
 vision-language digits task (``--data vlm-digits``) the report is built here too
 (``build_vlm_report``): per model, the held-out text loss and answer accuracy (mean ± sd over
 seeds), the accuracy of each answer field, the realised compression over all, image and text
@@ -18,6 +20,32 @@ from typing import Any
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
 from ..training.config import TrainConfig, model_config
+
+MAX_HEADLINE_EPOCHS = 2.0  # beyond this many passes over the training data a figure is not a headline
+
+
+def data_epochs(record: dict, metrics: list[list[dict]]) -> dict[str, Any]:
+    """The training data (a run's config.json ``data`` record) and the epochs of it that runs with
+    these ``metrics`` trained: tokens trained (mean over seeds) / the data's training tokens.
+    ``epochs`` is None for runs whose record predates token counts."""
+    trained = [max((m["tokens"] for m in ms if "tokens" in m), default=0) for ms in metrics]
+    tokens = statistics.fmean(trained) if trained else 0.0
+    have = record.get("train_tokens")
+    keep = ("source", "sha256", "train_tokens", "val_tokens", "recipe")
+    return {**{k: record[k] for k in keep if k in record}, "tokens_trained": tokens,
+            "epochs": tokens / have if have else None}
+
+
+def data_line(data: dict[str, Any]) -> str:
+    """report.md's line on the training data: its size and the epochs of it each model trained."""
+    if data.get("epochs") is None:
+        return "Training data: epochs unknown (the runs' config.json predates token counts).\n"
+    recipe = data.get("recipe")
+    made = f", {recipe['version']}, fingerprint {recipe['sha256'][:12]}" if recipe else ""
+    warn = (f" More than {MAX_HEADLINE_EPOCHS:g} epochs: the models saw the same text repeatedly; not a "
+            f"headline figure." if data["epochs"] > MAX_HEADLINE_EPOCHS else "")
+    return (f"Training data: {data['train_tokens']:,} tokens ({data.get('source')}{made}); each model trained "
+            f"{data['tokens_trained']:,.0f} tokens = **{data['epochs']:.2f} epochs** of it.{warn}\n")
 
 
 def verdict(rows: list[dict]) -> list[str]:
@@ -43,7 +71,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"FLOPs are analytic (conceptmoe/model/flops.py) at the target R and, next to them, at the "
             f"realised compression (what the model actually spent); attention-map FLOPs at "
             f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
-            f"held-out text.\n\n")
+            f"held-out text.\n" + (data_line(report["data"]) if "data" in report else "") + "\n")
     table = ["| run | model | seeds | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
              "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
