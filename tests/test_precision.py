@@ -155,3 +155,22 @@ def test_train_default_precision_is_printed_and_used(tmp_path, monkeypatch, caps
     seen.clear()
     train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "run32"), max_steps=1, dtype="fp32"))
     assert seen == ["fp32"]
+
+
+def test_compile_flag_compiles_every_block(tmp_path, monkeypatch):
+    """--compile reaches torch.compile for every block (bench train) and for the dense modules of
+    every block (bench latency); compiling itself is too slow for a unit test, so it is recorded."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw)))
+    assert main(["bench", "train", "--preset", "tiny", "--seq-lens", "16", "--tokens", "32", "--repeats", "1",
+                 "--dtype", "fp32", "--compile", "--peak", _peak_file(tmp_path), "--out", str(tmp_path)]) == 0
+    cfg = ModelConfig.from_preset("tiny")
+    n_blocks = cfg.n_layers + cfg.n_layers  # the MoE's blocks and the matched ConceptMoE's (1 + 2 + 1)
+    assert compiled == [("Block", {"dynamic": True})] * n_blocks
+    assert json.loads((tmp_path / "train.json").read_text())["compile"] is True
+    compiled.clear()
+    assert main(["bench", "latency", "--preset", "tiny", "--prefill-lens", "32", "--kv-lens", "none", "--repeats", "1",
+                 "--strategies", "topk", "--dtype", "fp32", "--compile", "--peak", _peak_file(tmp_path),
+                 "--out", str(tmp_path / "lat")]) == 0
+    names = [n for n, _ in compiled]
+    assert names.count("RMSNorm") == 2 * n_blocks + 2 and names.count("SwiGLU") == n_blocks
