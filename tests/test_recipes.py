@@ -11,7 +11,7 @@ import pytest
 
 from conceptmoe.cli import main
 from conceptmoe.data import recipes
-from conceptmoe.data.corpus import DOC_SEP, Document, load_corpus, split_documents
+from conceptmoe.data.corpus import DOC_SEP, Document, check_record, load_corpus, split_documents
 from conceptmoe.data.prepare import PrepareConfig, prepare
 from conceptmoe.data.shards import open_prepared
 from conceptmoe.data.tokenizer import encode_documents, load_tokenizer
@@ -76,6 +76,16 @@ def test_stdlib_corpus_split_and_record(stdlib):
     assert rec["source"] == "python-stdlib" and rec["split"] == "tail-5%"
     assert rec["recipe"] == recipes.describe("python-stdlib")
     assert TrainConfig(data="python-stdlib").data == "python-stdlib"  # kept by name, not made a path
+
+
+def test_another_python_is_a_changed_corpus(stdlib, monkeypatch):
+    stored = load_corpus("python-stdlib").record()
+    check_record(stored, load_corpus("python-stdlib").record())
+    (stdlib / "abc.py").write_text("import os\n")  # the same recipe read under another Python
+    monkeypatch.setattr(recipes.platform, "python_version", lambda: "3.99.0")
+    with pytest.raises(UserError, match=r"python-stdlib no longer matches .* \(made from CPython 3\.\d+\.\d+, "
+                                        r"now CPython 3\.99\.0\)"):
+        check_record(stored, load_corpus("python-stdlib").record())
 
 
 def test_prepare_records_the_recipe(stdlib, tmp_path):

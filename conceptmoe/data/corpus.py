@@ -109,9 +109,11 @@ def check_record(stored: dict | None, now: dict) -> None:
     if not stored:
         return  # runs made before records were kept
     if stored.get("sha256") != now["sha256"]:
+        was, new = (stored.get("recipe") or {}).get("version"), (now.get("recipe") or {}).get("version")
+        made = f" (made from {was}, now {new})" if was and new and was != new else ""
         raise UserError(f"data changed since the run started: {stored.get('source')} no longer matches the "
-                        f"recorded fingerprint ({str(stored.get('sha256'))[:12]}..., now {now['sha256'][:12]}...); "
-                        f"restore it or start a new run")
+                        f"recorded fingerprint ({str(stored.get('sha256'))[:12]}..., now {now['sha256'][:12]}...)"
+                        f"{made}; restore it or start a new run")
 
 
 def read_documents(data: str | Path) -> list[Document]:
