@@ -17,6 +17,8 @@ from conceptmoe.data.shards import open_prepared
 from conceptmoe.data.tokenizer import encode_documents, load_tokenizer
 from conceptmoe.errors import UserError
 from conceptmoe.training.config import TrainConfig
+from conceptmoe.training.train import train
+from training_helpers import TINY
 
 CODE = "def f{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n    return x + {i}\n\n"
 
@@ -143,3 +145,11 @@ def test_kjv_without_the_extra_is_a_one_line_error(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: --data kjv needs") and err.count("\n") == 1
     assert not (tmp_path / "p" / "manifest.json").exists()
+
+
+def test_train_on_a_recipe_by_name_records_it(stdlib, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no folder named python-stdlib here: the name is the recipe
+    run = train(TrainConfig(**TINY, data="python-stdlib", max_steps=1, out=str(tmp_path / "run")))
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train"]["data"] == "python-stdlib"
+    assert cfg["data"]["recipe"] == recipes.describe("python-stdlib") and cfg["data"]["train_tokens"] > 0
