@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from conceptmoe.errors import Interrupted, UserError
 from conceptmoe.model.config import ModelConfig
 from conceptmoe.model.elastic import check_ratio, interp_weights
+from conceptmoe.inference.generate import stream
 from conceptmoe.model.lm import build_model
 from conceptmoe.training import checkpoint as ck
 from conceptmoe.training import loop
@@ -31,8 +32,9 @@ def _model(mode: str = "router+concept", seed: int = 0, **kw):
     torch.manual_seed(seed)
     m = build_model(ModelConfig.from_preset("tiny", elastic_ratios=RATIOS, ratio_embedding=mode, **kw))
     with torch.no_grad():  # random, independent tables (the zero start would hide a dropped term)
+        scale = {"shift": 0.5, "router": 0.01, "concept": 0.3}  # router: the size of the encoder states
         for name, p in m.ratio_embed.named_parameters():
-            p.normal_(0, 0.5 if name == "shift" else 0.3)
+            p.normal_(0, scale[name])
     return m
 
 
@@ -49,7 +51,7 @@ def test_per_sequence_ratio_loss_equals_hand_formula():
     assert torch.allclose(rl, hand, atol=1e-6)
     # Not the batch-level F and G: rows with different R and boundary counts give another value.
     Fb, Gb = b.float().mean(), p.float().mean()
-    assert abs(float((R / (R - 1) * ((R - 1) * Fb * Gb + (1 - Fb) * (1 - Gb))).mean() - rl)) > 1e-3
+    assert abs(float((R / (R - 1) * ((R - 1) * Fb * Gb + (1 - Fb) * (1 - Gb))).mean() - rl.detach())) > 1e-3
     # F carries no gradient: the gradients equal the hand formula's.
     shift = m.ratio_embed.shift
     g1, = torch.autograd.grad(rl, shift, retain_graph=True)
@@ -175,3 +177,29 @@ def test_resume_of_an_elastic_run_is_exact(tmp_path, monkeypatch):
     a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert json.loads((out / "config.json").read_text())["train"]["ratios"] == [[1.5, 1.0], [2.0, 2.0], [4.0, 1.0]]
+
+
+@pytest.mark.parametrize("mode,pooling", [("router+concept", "boundary"), ("router", "mean")])
+def test_per_row_ratio_decode_equals_row_by_row_and_full_recompute(mode, pooling):
+    m = _model(mode, seed=1, concept_pooling=pooling, dechunk_source="update").eval()
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 256, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # rows of different lengths (right padding)
+    mask[2, 5:] = 0
+    R = torch.tensor([2.5, 4.0, 3.0])
+    batched = m.generate(ids, 16, temperature=0, attention_mask=mask, ratio=R)
+    full = m.generate(ids, 16, temperature=0, attention_mask=mask, ratio=R, use_cache=False)
+    assert torch.equal(batched, full)  # the cached steps equal recomputing the full forward
+    for i in range(3):
+        n = int(mask[i].sum())
+        alone = m.generate(ids[i:i + 1, :n], 16, temperature=0, ratio=float(R[i]))
+        assert torch.equal(batched[i, 12:], alone[0, n:])
+    # The rows really are told different ratios, and the decode steps take boundaries.
+    counts = []
+    for r in (2.5, 4.0):
+        state = []
+        for _ in stream(m, ids[:1], 16, temperature=0, ratio=r, state_out=state):
+            pass
+        counts.append(len(state[0].boundaries[0]))
+    assert counts[0] != counts[1] and max(counts) > 4

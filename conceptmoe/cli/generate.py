@@ -11,7 +11,9 @@ from ..errors import UserError
 from ..inference.text import MARK, TextStats, stream_text
 from ..training.checkpoint import load_run
 from ..training.conventions import eos_list, token_ids
+from ..model.elastic import require_ratio
 from .args import finite_float, seed
+from .frontier import add_ratio_flags
 
 MAX_NEW_TOKENS = 1_000_000  # the KV cache grows with the text; far beyond any length a run was trained at
 
@@ -31,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--show-concepts", action="store_true",
                    help=f"print '{MARK}' before every token that starts a concept (ConceptMoE)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    add_ratio_flags(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -40,14 +43,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.temperature >= 0 or args.temperature == float("inf") or \
             (args.top_k is not None and args.top_k < 1) or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise UserError("need a finite --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
-    model, _, tok, run_cfg = load_run(args.run, args.device)
+    model, cfg, tok, run_cfg = load_run(args.run, args.device)
+    ratio = require_ratio(cfg, args.ratio, args.extrapolate)
     eos = eos_list(token_ids(run_cfg, tok)) or None  # stop at end-of-text (runs made before it: never)
     gen = None
     if args.seed is not None:
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
     stats = TextStats()
     for piece in stream_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, gen, args.show_concepts, stats, eos):
+                             args.top_p, gen, args.show_concepts, stats, eos, ratio):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

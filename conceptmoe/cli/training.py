@@ -24,6 +24,7 @@ from ..data.corpus import read_text_file
 from ..evaluation.evaluate import evaluate
 from ..training.train import train
 from .args import finite_float, seed
+from .frontier import add_ratio_flags
 
 MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
 _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
@@ -143,6 +144,7 @@ def _register_eval(sub) -> None:
                                    "cmoe_niah, cmoe_heldout_ppl (offline, built from the held-out plays) or "
                                    "stock tasks whose data is cached locally; needs pip install -e \".[eval]\"")
     p.add_argument("--limit", type=int, help="with --tasks: at most N documents per task")
+    add_ratio_flags(p)
     p.set_defaults(func=cmd_eval)
 
 
@@ -159,7 +161,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from ..evaluation.evaluate import evaluate_vlm_run
 
         given = [f for f, v in (("--data", args.data), ("--val-tokens", args.val_tokens),
-                                ("--batch-size", args.batch_size)) if v is not None]
+                                ("--batch-size", args.batch_size), ("--ratio", args.ratio)) if v is not None]
         if given:
             raise UserError(f"{args.run} is a vision-language run, measured on the fixed held-out digit examples: "
                             f"leave out {', '.join(given)}")
@@ -168,14 +170,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         res = evaluate_vlm_run(args.run, args.device)
         print(json.dumps(res) if args.json else log_line(res))
         return 0
-    res = evaluate(args.run, args.data, args.device, args.batch_size, args.val_tokens, progress=True)
+    res = evaluate(args.run, args.data, args.device, args.batch_size, args.val_tokens, progress=True,
+                   ratio=args.ratio, extrapolate=args.extrapolate)
     if not math.isfinite(res["val_loss"]):
         raise UserError(f"validation loss is {res['val_loss']}: the run's weights have diverged")
+    keys = ("val_loss", "val_bpb", "compression", "tokens") + (("ratio",) if "ratio" in res else ())
     if args.json:
-        print(json.dumps({k: res[k] for k in ("val_loss", "val_bpb", "compression", "tokens")}))
+        print(json.dumps({k: res[k] for k in keys}))
     else:
+        asked = f" (requested R {res['ratio']:g})" if "ratio" in res else ""
         print(f"val_loss {res['val_loss']:.4f}  val_bpb {res['val_bpb']:.4f}  "
-              f"compression {res['compression']:.2f}  tokens {res['tokens']}")
+              f"compression {res['compression']:.2f}{asked}  tokens {res['tokens']}")
     return 0
 
 
@@ -185,6 +190,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
     if args.tasks is None:
         raise UserError("--limit applies to --tasks")
+    if args.ratio is not None:
+        raise UserError("--ratio applies to the plain validation, not to --tasks")
     if args.data is not None or args.val_tokens is not None:
         raise UserError("--data and --val-tokens apply to the plain validation, not to --tasks")
     if args.limit is not None and args.limit < 1:
@@ -290,6 +297,7 @@ def _register_boundaries(sub) -> None:
     p.add_argument("--examples", type=int, default=4,
                    help=f"vlm-digits runs: held-out image-text examples to show (default 4, at most {MAX_EXAMPLES})")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_ratio_flags(p)
     p.set_defaults(func=cmd_boundaries)
 
 
@@ -301,7 +309,7 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
     if args.text is None and args.file is None:
         raise UserError("give --text or --file")
     text = args.text if args.text is not None else read_text_file(args.file)
-    res = find_boundaries(args.run, text, args.device)
+    res = find_boundaries(args.run, text, args.device, args.ratio, args.extrapolate)
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     print(render_terminal(res, color=color))
     if args.html:

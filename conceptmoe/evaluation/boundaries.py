@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..model.elastic import require_ratio
 from ..data.digits import eval_examples, load_digits
 from ..training.checkpoint import load_run
 
@@ -61,20 +62,23 @@ class BoundaryResult:
 
 
 @torch.no_grad()
-def find_boundaries(run_dir: str | Path, text: str, device: str = "auto") -> BoundaryResult:
-    """Chunk ``text`` with a trained ConceptMoE run."""
+def find_boundaries(run_dir: str | Path, text: str, device: str = "auto", ratio: float | None = None,
+                    extrapolate: bool = False) -> BoundaryResult:
+    """Chunk ``text`` with a trained ConceptMoE run (an elastic one at ``ratio``)."""
     if not text.strip():
         raise UserError("the text to chunk is empty")
     model, cfg, tok, run_cfg = load_run(run_dir, device)
     if not cfg.is_concept:
         raise UserError(f"{run_dir} is a plain MoE run: it has no concept boundaries")
+    ratio = require_ratio(cfg, ratio, extrapolate)
+    extra = {} if ratio is None else {"ratio": ratio}
     enc = tok.encode(text)
     ids = torch.tensor(enc.ids, dtype=torch.long)
     seq_len = int(run_cfg.get("train", {}).get("seq_len", 256))
     dev = next(model.parameters()).device
     p_all, b_all = [], []
     for start in range(0, len(ids), seq_len):
-        out = model(ids[start:start + seq_len][None].to(dev))
+        out = model(ids[start:start + seq_len][None].to(dev), **extra)
         p_all.append(out.chunks.p[0].float().cpu())
         b_all.append(out.boundaries[0].cpu())
     p, b = torch.cat(p_all), torch.cat(b_all)  # (T,)
@@ -84,7 +88,7 @@ def find_boundaries(run_dir: str | Path, text: str, device: str = "auto") -> Bou
     ends = starts[1:] + [len(ids)]
     concepts = [Concept(text[char_at[j]:char_at[j + 1]], ends[j] - starts[j], float(p[starts[j]]))
                 for j in range(len(starts))]
-    return BoundaryResult(concepts, len(ids), cfg.compression_ratio, str(run_dir))
+    return BoundaryResult(concepts, len(ids), ratio or cfg.compression_ratio, str(run_dir))
 
 
 def render_terminal(res: BoundaryResult, color: bool = True) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 
 from ..errors import UserError
+from ..model.elastic import require_ratio
 from ..data.digits import VLM_DATA, eval_examples, load_digits
 from ..training.checkpoint import load_run, read_run_config
 from ..training.digits import N_EVAL, evaluate_vlm
@@ -24,14 +25,16 @@ from ..training.validation import EVAL_BATCH, evaluate_tokens
 
 def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = "auto",
              batch_size: int | None = None, max_tokens: int | None = None,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, ratio: float | None = None, extrapolate: bool = False) -> dict[str, Any]:
     """Evaluate a trained run: on its held-out split, or on all the text under ``data``
-    (a directory made by ``conceptmoe prepare``: its held-out split).
+    (a directory made by ``conceptmoe prepare``: its held-out split). ``ratio``: the R asked of
+    an elastic ConceptMoE (outside the trained range only with ``extrapolate``).
 
     The held-out split is rebuilt from the run's stored (absolute) data path and checked
     against the stored fingerprint; ``max_tokens`` defaults to the run's ``val_tokens``.
     """
     model, cfg, tok, run_cfg = load_run(run_dir, device)
+    ratio = require_ratio(cfg, ratio, extrapolate)
     train_cfg = run_cfg.get("train", {})
     source = train_cfg.get("data") if data is None else data
     prep = open_prepared(source) if is_prepared(source) else None  # `conceptmoe prepare` shards
@@ -51,7 +54,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
         raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
     seq_len = int(train_cfg.get("seq_len", 256))
     return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
-                           batch_size or EVAL_BATCH, max_tokens, progress)
+                           batch_size or EVAL_BATCH, max_tokens, progress, ratio)
 
 
 def is_vlm_run(run_dir: str | Path) -> bool:

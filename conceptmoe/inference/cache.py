@@ -13,7 +13,8 @@ Layout (one object per stack of layers that advance together):
     boundary, so ``lengths`` = concepts (boundaries) seen per row.
 - ``ChunkState`` — the chunk module's memory: ``last_key`` = W_k ĥ_{t-1} (cosine router), and
   for ``concept_pooling="mean"`` the running sum and count of encoder states since the last
-  boundary (the tokens the next concept will merge).
+  boundary (the tokens the next concept will merge); for an elastic model, each row's ratio
+  embedding (rows of one batch may ask for different R).
 - ``DechunkState`` — ``z`` = EMA of the latest concept output, z_{j(t)} (B, D).
 
 Shape legend: B batch rows, G key/value heads, Dh head dim, D d_model, n rows taking part.
@@ -22,6 +23,7 @@ Shape legend: B batch rows, G key/value heads, Dh head dim, D d_model, n rows ta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +137,7 @@ class ChunkState:
     last_key: torch.Tensor | None = None  # (B, D) W_k ĥ_{t-1}, cosine router only
     pool_sum: torch.Tensor | None = None  # (B, D) sum of ĥ since the last boundary ("mean")
     pool_count: torch.Tensor | None = None  # (B,) number of tokens in pool_sum
+    ratio: Any = None  # the rows' RatioTerms (model/elastic.py) of an elastic model, else None
 
 
 @dataclass

@@ -85,11 +85,13 @@ def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
-            extra_capacity: int = 0, pixel_values: torch.Tensor | None = None) -> tuple[StepOutput, InferenceState]:
+            extra_capacity: int = 0, pixel_values: torch.Tensor | None = None,
+            ratio: float | torch.Tensor | None = None) -> tuple[StepOutput, InferenceState]:
     """Forward over right-padded prompts (B, T); returns last-token logits and the state.
 
     ``extra_capacity``: token entries to preallocate for the tokens still to come.
     ``pixel_values`` (B, N, C, H, W): the images whose placeholders the prompts hold.
+    ``ratio``: an elastic ConceptMoE's R, one number or one per row (B,); kept for the decode steps.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -100,43 +102,46 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
     x = model.embed(input_ids) if pixel_values is None else embed_inputs(model, input_ids, pixel_values)  # (B, T, D)
     cos, sin = model.rope(T, dev, x.dtype)
     if not isinstance(model, ConceptMoELM):
+        if ratio is not None:
+            raise ValueError("ratio: a plain MoE has no compression ratio")
         cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x)
         for i, blk in enumerate(model.layers):
             x = _block_prefill(blk, x, cos, sin, cache, i, valid, model.dispatch)
         cache.lengths = lengths.tolist()
         logits = model.lm_head(model.norm(_last(x, lengths)))
         return StepOutput(logits), InferenceState(tokens=cache)
-    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity)
+    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio)
 
 
-def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int):
+def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None):
     cfg, (B, T, D) = model.cfg, x.shape
     n_enc, n_con = len(model.encoder), len(model.concept)
     tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
     for i, blk in enumerate(model.encoder):
         x = _block_prefill(blk, x, cos, sin, tokens, i, valid, model.dispatch)
     h = x  # (B, T, D) encoder states ĥ
-    p = model.chunk(h)  # (B, T)
+    terms = model.ratio_terms(ratio, B, x.device)  # elastic models: each row's R
+    p = model.route(h, terms)  # (B, T)
     b = (p >= 0.5) & valid
     b[:, 0] = True
     ch = gather_concepts(h, p, b, cfg.concept_pooling)
     C = ch.concepts.shape[1]
     concepts = _new_cache(model, n_con * cfg.concept_loops, B, C + 1, x)
-    c = ch.concepts  # (B, C, D)
+    c = c_in = model.concept_input(ch.concepts, ch.mask, terms)  # (B, C, D)
     ccos, csin = model.rope(C, x.device, x.dtype)  # concept index as RoPE position
     for loop in range(cfg.concept_loops):
         for i, blk in enumerate(model.concept):
             c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, ch.mask, model.dispatch)
     concepts.lengths = ch.mask.sum(1).tolist()
     update = cfg.dechunk_source == "update"
-    z_tok, z_res = dechunk(ch, c, ch.concepts if update else None)  # (B, T, D) each
+    z_tok, z_res = dechunk(ch, c, c_in if update else None)  # (B, T, D) each
     x = h + z_res
     for i, blk in enumerate(model.decoder):
         x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, valid, model.dispatch, z=z_tok)
     tokens.lengths = lengths.tolist()
-    chunk = ChunkState()
+    chunk = ChunkState(ratio=terms)
     if cfg.chunk_router == "cosine":
-        chunk.last_key = model.chunk.wk(_last(h, lengths))
+        chunk.last_key = model.chunk.wk(_router_input(_last(h, lengths), terms))
     if cfg.concept_pooling == "mean":
         # Tokens after a row's last boundary wait in the pool for the concept that closes them.
         tail = valid & (torch.arange(T, device=x.device)[None] > _last_boundary(b)[:, None])
@@ -147,6 +152,11 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
                            boundaries=[row.nonzero().flatten().tolist() for row in b])
     logits = model.lm_head(model.norm(_last(x, lengths)))
     return StepOutput(logits, b), state
+
+
+def _router_input(h: torch.Tensor, terms) -> torch.Tensor:
+    """What the router reads of h (B, D): h plus the rows' ratio vectors (elastic, "router")."""
+    return h if terms is None or terms.router is None else h + terms.router.to(h.dtype)
 
 
 def _last_boundary(b: torch.Tensor) -> torch.Tensor:
@@ -172,7 +182,9 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
         x = _block_step(blk, x, cos, sin, state.tokens, i, model.dispatch)
     h = x[:, 0]  # (B, D)
     ck, z = state.chunk, state.dechunk.z
-    p, key = model.chunk.step(h, ck.last_key, pos)
+    terms = ck.ratio
+    shift = {} if terms is None else {"shift": terms.shift}
+    p, key = model.chunk.step(_router_input(h, terms), ck.last_key, pos, **shift)
     if key is not None:
         ck.last_key = key
     b = p >= 0.5  # (B,)
@@ -181,6 +193,8 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
         pooled = (ck.pool_sum + h) / (ck.pool_count + 1)[:, None].to(h.dtype)
     if rows.numel():
         c_in = (pooled if ck.pool_sum is not None else h)[rows]  # (n, D)
+        if terms is not None and terms.concept is not None:
+            c_in = c_in + terms.concept[rows].to(c_in.dtype)
         c = c_in[:, None]  # (n, 1, D)
         cpos = torch.tensor([state.concepts.lengths[r] for r in rows.tolist()], device=dev)
         ccos, csin = _rope(model, cpos[:, None], x.dtype)

@@ -29,13 +29,15 @@ class TextStats:
     seconds: float = 0.0
     tokens: int = 0  # tokens the cache has seen (prompt + generated, fed)
     concepts: int | None = None  # concepts over those tokens (ConceptMoE)
+    ratio: float | None = None  # the R asked of an elastic ConceptMoE
 
     def summary(self) -> str:
         note = f"{self.new_tokens} tokens in {self.seconds:.2f} s " \
                f"({self.new_tokens / max(self.seconds, 1e-9):.1f} tok/s)"
         if self.concepts is not None:
             note += f", {self.concepts} concepts over {self.tokens} tokens " \
-                    f"(R = {self.tokens / max(self.concepts, 1):.2f})"
+                    f"(R = {self.tokens / max(self.concepts, 1):.2f}" + \
+                    (f", requested {self.ratio:g})" if self.ratio is not None else ")")
         return note
 
 
@@ -58,15 +60,18 @@ def render(tok, ids: list[int], starts: set[int], show: bool) -> str:
 def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float = 1.0,
                 top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None, show_concepts: bool = False,
-                stats: TextStats | None = None, eos_token_id: int | list[int] | None = None) -> Iterator[str]:
+                stats: TextStats | None = None, eos_token_id: int | list[int] | None = None,
+                ratio: float | None = None) -> Iterator[str]:
     """Yield the continuation of ``prompt`` as text pieces (concatenated: the whole new text);
-    it ends early at ``eos_token_id`` (the run's end-of-text), which is not printed."""
+    it ends early at ``eos_token_id`` (the run's end-of-text), which is not printed.
+    ``ratio``: the compression R asked of an elastic ConceptMoE."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     ids = tok.encode(prompt).ids
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     stats = TextStats() if stats is None else stats
+    stats.ratio = ratio
     concept = model.cfg.is_concept
     show = show_concepts and concept
     dev = next(model.parameters()).device
@@ -90,7 +95,7 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
     x = torch.tensor([ids], device=dev)
     ended = False
     for step in stream(model, x, max_new_tokens, temperature, top_k, top_p, eos_token_id=eos_token_id,
-                       generator=generator, state_out=states):
+                       generator=generator, state_out=states, ratio=ratio):
         if bool(step.finished[0]):  # end of text: not printed; the token before it has been fed
             stats.new_tokens += 1
             ended = True

@@ -123,3 +123,17 @@ def check_ratio(cfg, ratios: list[float], extrapolate: bool = False) -> str | No
     if out and not extrapolate:
         return f"R={out[0]:g} is outside the trained range [{lo:g}, {hi:g}]; pass --extrapolate to try it anyway"
     return None
+
+
+def require_ratio(cfg, ratio: float | None, extrapolate: bool = False) -> float | None:
+    """``ratio`` if this config can serve it (None stays None: the design ratio); else a UserError."""
+    from ..errors import UserError
+
+    if ratio is None:
+        if extrapolate:
+            raise UserError("--extrapolate applies to a --ratio outside the trained range")
+        return None
+    why = check_ratio(cfg, [ratio], extrapolate)
+    if why:
+        raise UserError(why)
+    return float(ratio)

@@ -107,6 +107,17 @@ MUTANTS = [
            "concept_macs = sum(c.macs for c in concept_layers) * loops / R",
            "concept_macs = sum(c.macs for c in concept_layers) * loops",
            ("tests/test_flops.py",), "concept layers counted at token rate"),
+    # --- issue 21: elastic compression (the model told its R) ---
+    Mutant("elastic-router-drops-embedding", LM,
+           "return self.chunk(h if terms.router is None else h + terms.router[:, None].to(h.dtype), offset, terms.shift)",
+           "return self.chunk(h, offset, terms.shift)",
+           ("tests/test_elastic.py",), "the ratio embedding never reaches the chunk router"),
+    Mutant("elastic-step-drops-embedding", STEPS,
+           "    return h if terms is None or terms.router is None else h + terms.router.to(h.dtype)",
+           "    return h", ("tests/test_elastic.py",), "the cached router step ignores the row's ratio vector"),
+    Mutant("elastic-batch-ratio-loss", LM, "            rl = per_sequence_ratio_loss(p, b, terms.ratio, real)[0]",
+           "            rl = ratio_loss_fg(F_, G, terms.ratio.mean())",
+           ("tests/test_elastic.py",), "one batch-level ratio loss instead of one per sequence"),
 ]
 
 
