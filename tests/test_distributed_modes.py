@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from conceptmoe.model.lm import build_model
 from conceptmoe.training import checkpoint as ck
-from training_helpers import make_corpus
+from training_helpers import make_corpus, run_cli
 
 STEPS = 30
 TOL = 1e-4
@@ -71,6 +71,11 @@ def runs(tmp_path_factory):
     big = {"overrides": {"expert_hidden": 256, "n_shared_experts": 0, "n_experts": 2, "top_k": 1}}
     one_a.append(run("clip-one", "moe", max_steps=10, grad_clip=0.05, **big))
     two.append(run("clip-ep", "moe", max_steps=10, grad_clip=0.05, **big, **MODES["ep"]))
+    # vlm-digits under FSDP: padded rows, token-weighted loss, generation on full weights at the end
+    vlm = dict(data="vlm-digits", preset="vlm", max_steps=4, seq_len=96, save_every=10, eval_every=2,
+               overrides={"d_model": 32, "n_experts": 4, "expert_hidden": 16, "n_layers": 3})
+    one_a.append(run("vlm-one", **vlm))
+    two.append(run("vlm-fsdp", parallel="fsdp", **vlm))
     # resume: 2 -> 2, 1 -> 2, 2 -> 1 in every mode (expert parallelism exists only with 2)
     for mode, flags in MODES.items():
         single = {} if mode == "ep" else flags
@@ -114,6 +119,14 @@ def test_two_processes_equal_one_at_default_settings(runs, mode, model):
     rows, ref = _rows(runs, f"{mode}-{model}"), _rows(runs, f"one-{model}")
     assert len(ref) == STEPS
     _assert_equal(rows, ref)
+    root = runs[0]
+    assert [r["compression"] for r in rows] == pytest.approx([r["compression"] for r in ref], rel=1e-6)
+    ev, ev_ref = (json.loads((root / name / "eval.json").read_text()) for name in (f"{mode}-{model}", f"one-{model}"))
+    assert ev["val_loss"] == pytest.approx(ev_ref["val_loss"], abs=TOL)
+    if (mode, model) == ("fsdp", "conceptmoe"):  # an ordinary run: it loads and evaluates in one process
+        res = run_cli("eval", str(root / f"{mode}-{model}"), "--json", "--val-tokens", "2000")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["val_loss"] == pytest.approx(ev["val_loss"], abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["one"] + list(MODES))
@@ -169,3 +182,12 @@ def test_a_layout_that_cannot_run_is_refused_before_writing(runs):
     assert len(lines) == 2 and all("--expert-parallel 3 must divide the number of processes (2)" in ln
                                    for ln in lines), logs["nan"].stdout
     assert not (root / "ep3").exists()
+
+
+def test_fsdp_trains_evaluates_and_generates_vlm_digits(runs):
+    root, _, _ = runs
+    _assert_equal(_rows(runs, "vlm-fsdp"), _rows(runs, "vlm-one"))
+    ev, ref = (json.loads((root / name / "eval.json").read_text()) for name in ("vlm-fsdp", "vlm-one"))
+    assert {"answer_accuracy", "digits_accuracy", "compression_image", "compression_text"} <= set(ev)
+    assert ev["val_loss"] == pytest.approx(ref["val_loss"], abs=TOL)
+    assert ev["answer_accuracy"] == ref["answer_accuracy"] and ev["digits_accuracy"] == ref["digits_accuracy"]

@@ -42,7 +42,7 @@ def test_chunk_router_is_fp32_under_autocast(kind):
     last_key = router.wk(h[:, 4]) if kind == "cosine" else None  # the cache holds an fp32 key
     with _bf16():
         got = router(h)
-        p1, key = router.step(h[:, 5], last_key, torch.tensor([5, 5]))
+        p1, _ = router.step(h[:, 5], last_key, torch.tensor([5, 5]))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert p1.dtype == torch.float32 and torch.allclose(p1, want[:, 5], rtol=0, atol=1e-6)  # bf16: ~1e-3
 

@@ -57,6 +57,17 @@ def save(out, model: nn.Module, opt: torch.optim.Optimizer, state: dict, d: Dist
     d.barrier()
 
 
+def full_model(model: nn.Module, plain: Callable[[], nn.Module], d: Dist) -> nn.Module:
+    """A plain model with the full weights of an FSDP-sharded one, on every rank (collective):
+    what generation needs (it calls submodules directly, which sharded parameters refuse)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out = plain().to(d.device)
+    out.load_state_dict(full)
+    return out
+
+
 def load(ckpt, model: nn.Module, opt: torch.optim.Optimizer, d: Dist) -> dict:
     """Restore a checkpoint written by any number of processes into this (parallelized) model."""
     if getattr(model, "expert_parallel", None) is None and not is_sharded(model):

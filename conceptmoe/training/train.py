@@ -199,7 +199,9 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         lp = Loop(tc, model, opt, data.sampler, out, data.validate, data.byte_len, d, lambda: build_model(mc), dtype)
         with StopOnSignal() as stop:
             loop.run(lp, step, stop)
-        final = data.final(model if distributed.is_sharded(model) else lp.raw)
+        # FSDP: the final evaluation (and the generation of vlm-digits) runs on full weights, as `eval` would
+        final = data.final(parallel_checkpoint.full_model(model, lp.plain, d) if distributed.is_sharded(model)
+                           else lp.raw)
         if not math.isfinite(final["val_loss"]):
             raise UserError(f"final validation loss is {final['val_loss']}; the run diverged (checkpoint kept)")
         if d.main:
