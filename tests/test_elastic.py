@@ -203,3 +203,63 @@ def test_per_row_ratio_decode_equals_row_by_row_and_full_recompute(mode, pooling
             pass
         counts.append(len(state[0].boundaries[0]))
     assert counts[0] != counts[1] and max(counts) > 4
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory):
+    """A tiny elastic run trained for 500 steps on Shakespeare (~30 s on one core)."""
+    out = tmp_path_factory.mktemp("elastic") / "run"
+    tc = TrainConfig(preset="tiny", device="cpu", progress=False, out=str(out), max_steps=500, batch_size=8,
+                     seq_len=64, ratios="1.5,2,3,4", strategy=None, eval_every=0, val_tokens=2000, dtype="fp32",
+                     overrides={"ratio_loss_weight": 0.3})
+    return train(tc)
+
+
+@pytest.mark.slow
+def test_realised_compression_tracks_the_requested_ratio(elastic_run):
+    """Across the trained range, including ratios between the trained ones, within 10%."""
+    from conceptmoe.evaluation.evaluate import evaluate
+
+    for r in (1.5, 2.0, 2.5, 3.0, 4.0):
+        res = evaluate(elastic_run, device="cpu", max_tokens=20000, ratio=r)
+        assert abs(res["compression"] / r - 1) < 0.10, (r, res["compression"])
+        assert res["ratio"] == r
+
+
+@pytest.mark.slow
+def test_cli_ratio_flags_and_frontier(elastic_run, tmp_path, capsys):
+    from conceptmoe.cli import main
+
+    assert main(["eval", str(elastic_run), "--ratio", "3", "--val-tokens", "3000", "--json", "--device", "cpu"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["ratio"] == 3.0 and 2.5 < res["compression"] < 3.5
+    for cmd in (["eval", str(elastic_run)], ["boundaries", str(elastic_run), "--text", "To be, or not"],
+                ["generate", str(elastic_run), "--prompt", "To be"]):
+        assert main(cmd + ["--ratio", "6", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: R=6 is outside the trained range [1.5, 4]") and err.count("\n") == 1
+    assert main(["boundaries", str(elastic_run), "--text", "To be, or not to be, that is the question",
+                 "--ratio", "6", "--extrapolate", "--device", "cpu"]) == 0
+    assert "target R = 6" in capsys.readouterr().out
+    png = tmp_path / "f.png"
+    assert main(["frontier", str(elastic_run), "--ratios", "1.5,3,5", "--val-tokens", "3000", "--json",
+                 "--plot", str(png), "--device", "cpu"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["ratio"] for r in rows] == [1.5, 3.0]  # 5 is outside the trained range: left out
+    assert rows[0]["activated_flops_per_token"] > rows[1]["activated_flops_per_token"]
+    assert rows[0]["concept_kv_bytes_per_token"] > rows[1]["concept_kv_bytes_per_token"]
+    assert rows[0]["design_ratio"] == 2.0 and png.stat().st_size > 0
+
+
+def test_fixed_run_refuses_other_ratios(tmp_path, capsys):
+    from conceptmoe.cli import main
+
+    corpus = make_corpus(tmp_path / "c", n_docs=3, chars=3000)
+    run = train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "fixed"), max_steps=2, eval_every=0,
+                            val_tokens=200, dtype="fp32"))
+    assert main(["eval", str(run), "--ratio", "3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "trained for R=2 only" in err and err.count("\n") == 1
+    assert main(["eval", str(run), "--ratio", "2", "--device", "cpu", "--json"]) == 0
+    with pytest.raises(UserError, match="--model moe"):
+        TrainConfig(**TINY, model="moe", ratios="1.5,2")
