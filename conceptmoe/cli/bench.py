@@ -55,7 +55,7 @@ def _words(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="benchmarks: latency (MoE vs ConceptMoE), scan, moe (vs transformers), prepare",
+    parser = sub.add_parser("bench", help="benchmarks: latency and train (MoE vs ConceptMoE), peak (matmul), scan, moe (vs transformers), prepare",
                             description="Benchmarks.")
     bench = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.required = True
