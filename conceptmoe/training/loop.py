@@ -161,6 +161,8 @@ def forward_backward(lp: Loop, batch: dict[str, torch.Tensor], u: torch.Tensor |
     if getattr(lp.raw, "expert_parallel", None) is not None:
         expert_parallel.sync_grads(lp.raw, d.world)
     lp.raw.stats_totals = None
+    if "ratio" in batch:  # elastic: the per-sequence ratio loss is each rank's mean over its rows
+        aux_sum["ratio_loss"] = d.mean(aux_sum["ratio_loss"])
     aux_sum["ce_loss"] = d.mean(ce_sum) * d.world  # token-weighted over every micro-batch and process
     loss = d.mean(loss_sum - ce_mean) + aux_sum["ce_loss"]  # the other terms are global already
     return loss, aux_sum
