@@ -24,8 +24,10 @@ def _fill(cache: KVCache, n: int, g: torch.Generator) -> None:
     cache.lengths = [n] * len(cache.lengths)
 
 
-def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0) -> InferenceState:
-    """A decode state as if ``kv`` tokens (and kv/R concepts) per row had been prefilled."""
+def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0,
+                    ratio: float | None = None) -> InferenceState:
+    """A decode state as if ``kv`` tokens (and kv/R concepts) per row had been prefilled;
+    ``ratio``: the R asked of an elastic model (its rows carry that ratio's embedding)."""
     cfg, p = model.cfg, next(model.parameters())
     g = torch.Generator().manual_seed(seed)
     new = lambda layers, n: KVCache.empty(layers, batch, cfg.n_kv_heads, cfg.head_dim,  # noqa: E731
@@ -36,11 +38,12 @@ def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0) -> In
         return InferenceState(tokens=tokens)
     tokens = new(cfg.n_encoder_layers + cfg.n_decoder_layers, kv)
     _fill(tokens, kv, g)
-    n_con = max(1, round(kv / cfg.compression_ratio))
+    n_con = max(1, round(kv / (ratio or cfg.compression_ratio)))
     concepts = new(cfg.n_concept_layers * cfg.concept_loops, n_con)
     _fill(concepts, n_con, g)
     D = cfg.d_model
-    chunk = ChunkState(last_key=torch.randn(batch, D, generator=g).to(p))
+    chunk = ChunkState(last_key=torch.randn(batch, D, generator=g).to(p),
+                       ratio=model.ratio_terms(ratio, batch, p.device))
     if cfg.concept_pooling == "mean":
         chunk.pool_sum = torch.zeros(batch, D).to(p)
         chunk.pool_count = torch.zeros(batch, dtype=torch.long, device=p.device)

@@ -40,6 +40,7 @@ from ..model.config import ModelConfig
 from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..model.match import match_config
+from ..model.elastic import require_ratio
 from .calibrate import calibrate_decode, calibrate_router
 from ..parallel.distributed import blocks
 from .decode_state import restore, snapshot, synthetic_state
@@ -52,6 +53,8 @@ class LatencySettings:
     ratios: list[float] = field(default_factory=lambda: [2.0])
     strategies: list[str] = field(default_factory=lambda: ["topk", "layers"])
     runs: list[str] = field(default_factory=list)  # trained run directories (no calibration)
+    run_ratios: list[float] = field(default_factory=list)  # R asked of elastic runs (one model each)
+    extrapolate: bool = False  # allow run_ratios outside an elastic run's trained range
     prefill_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384])
     kv_lens: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
     batch: int = 8  # decode rows
@@ -72,6 +75,7 @@ class BenchModel:
     model: nn.Module
     strategy: str | None = None  # match strategy; None for the baseline and trained runs
     calibrate: bool = False  # untrained router: set it to hit the target ratio
+    request: float | None = None  # the R asked of an elastic run (None: its design ratio)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -79,6 +83,8 @@ class BenchModel:
 
     @property
     def ratio(self) -> float:
+        if self.request is not None:
+            return self.request
         return self.cfg.compression_ratio if self.cfg.is_concept else 1.0
 
 
@@ -102,7 +108,10 @@ def build_bench_models(s: LatencySettings, load_run=None) -> list[BenchModel]:
         if load_run is None:
             raise UserError("--run needs the training package's checkpoint loader")
         model = load_run(run)
-        out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]", model))
+        for r in s.run_ratios or [None]:
+            r = require_ratio(model.cfg, r, s.extrapolate)
+            at = "" if r is None else f"@R{r:g}"
+            out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]{at}", model, request=r))
     for b in out:
         b.model.to(device=dev, dtype=dtype).eval()
         if s.compile:
@@ -153,7 +162,7 @@ def _time_prefill(b: BenchModel, ids: torch.Tensor) -> tuple[float, InferenceSta
     dev = ids.device
     _sync(dev)
     t0 = time.perf_counter()
-    out, st = prefill(b.model, ids)
+    out, st = prefill(b.model, ids) if b.request is None else prefill(b.model, ids, ratio=b.request)
     _sync(dev)
     return time.perf_counter() - t0, st, out.boundary
 
@@ -208,7 +217,7 @@ def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> lis
     for kv in s.kv_lens:
         states, snaps = {}, {}
         for b in models:
-            st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed)
+            st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed, b.request)
             if b.calibrate:
                 calibrate_decode(b.model, b.ratio, st, tokens, s.seed)
             else:  # warm-up pass

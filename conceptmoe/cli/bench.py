@@ -75,6 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="compute-matching strategies: topk,layers,loop (default topk,layers)")
     lat.add_argument("--run", action="append", default=[], metavar="DIR",
                      help="also time a trained run (repeatable; its router is not calibrated)")
+    lat.add_argument("--ratio", type=_floats, dest="run_ratios", default=[], metavar="R[,R...]",
+                     help="elastic --run: the compression R to run it at (a comma list: one timed model per R; "
+                          "default: its design ratio)")
+    lat.add_argument("--extrapolate", action="store_true",
+                     help="allow a --ratio outside the range an elastic --run was trained on")
     lat.add_argument("--repeats", type=int, default=3, help="timed repeats per model and length (default 3)")
     lat.add_argument("--decode-steps", type=int, default=16, help="decode steps per repeat (default 16)")
     lat.add_argument("--threads", type=int, default=0,
@@ -174,11 +179,14 @@ def cmd_bench_latency(args) -> int:
     dtype = args.dtype or default_dtype(resolve_device(args.device))
     peak = (_read_peak(args.peak, (dtype,)) or {}).get(dtype)
     s = LatencySettings(preset=args.preset, ratios=args.ratios, strategies=args.strategies,
-                        runs=args.run, prefill_lens=args.prefill_lens, kv_lens=args.kv_lens,
+                        runs=args.run, run_ratios=args.run_ratios, extrapolate=args.extrapolate,
+                        prefill_lens=args.prefill_lens, kv_lens=args.kv_lens,
                         batch=args.batch, prefill_batch=args.prefill_batch, repeats=args.repeats,
                         decode_steps=args.decode_steps, seed=args.seed, device=args.device,
                         threads=args.threads, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
                         compile=args.compile, peak_gflops=peak)
+    if s.run_ratios and not s.runs:
+        raise UserError("--ratio applies to the elastic runs given with --run")
     if not s.prefill_lens and not s.kv_lens:
         raise UserError("nothing to do: both --prefill-lens and --kv-lens are empty")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
