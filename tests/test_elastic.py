@@ -50,7 +50,7 @@ def test_per_sequence_ratio_loss_equals_hand_formula():
     rl = out.aux["ratio_loss"]
     assert torch.allclose(rl, hand, atol=1e-6)
     # Not the batch-level F and G: rows with different R and boundary counts give another value.
-    Fb, Gb = b.float().mean(), p.float().mean()
+    Fb, Gb = b.float().mean(), p.detach().float().mean()
     assert abs(float((R / (R - 1) * ((R - 1) * Fb * Gb + (1 - Fb) * (1 - Gb))).mean() - rl.detach())) > 1e-3
     # F carries no gradient: the gradients equal the hand formula's.
     shift = m.ratio_embed.shift
@@ -263,3 +263,20 @@ def test_fixed_run_refuses_other_ratios(tmp_path, capsys):
     assert main(["eval", str(run), "--ratio", "2", "--device", "cpu", "--json"]) == 0
     with pytest.raises(UserError, match="--model moe"):
         TrainConfig(**TINY, model="moe", ratios="1.5,2")
+
+
+@pytest.mark.slow
+def test_harness_model_args_concept_ratio(elastic_run):
+    """``--model_args run=RUN,concept_ratio=R``: the harness model scores text at that R."""
+    pytest.importorskip("lm_eval")
+    from conceptmoe.harness.lm import ConceptMoEHarnessLM
+
+    req = [(None, list(range(40, 80)), list(range(80, 90)))]
+    score = {r: ConceptMoEHarnessLM(run=str(elastic_run), concept_ratio=r)._loglikelihood_tokens(req)[0][0]
+             for r in (1.5, 4.0)}
+    m = ConceptMoEHarnessLM(run=str(elastic_run)).model
+    ids = torch.tensor([list(range(40, 89))])
+    with torch.no_grad():
+        logp = torch.log_softmax(m(ids, ratio=4.0).logits.float(), -1)[0, 39:49]
+    want = float(logp.gather(1, torch.arange(80, 90)[:, None]).sum())
+    assert score[4.0] == pytest.approx(want, abs=1e-4) and score[1.5] != pytest.approx(score[4.0], abs=1e-4)

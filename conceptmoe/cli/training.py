@@ -190,8 +190,11 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
     if args.tasks is None:
         raise UserError("--limit applies to --tasks")
-    if args.ratio is not None:
-        raise UserError("--ratio applies to the plain validation, not to --tasks")
+    if args.ratio is not None:  # an elastic run at R (the harness model's concept_ratio)
+        from ..model.elastic import require_ratio
+        from ..training.checkpoint import model_config_of, read_run_config
+
+        require_ratio(model_config_of(read_run_config(args.run)), args.ratio, args.extrapolate)
     if args.data is not None or args.val_tokens is not None:
         raise UserError("--data and --val-tokens apply to the plain validation, not to --tasks")
     if args.limit is not None and args.limit < 1:
@@ -202,7 +205,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         raise UserError(f"{args.run} is a vision-language run (word vocabulary, images); --tasks evaluates text "
                         f"models: use conceptmoe eval {args.run}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device)
+    res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device, ratio=args.ratio)
     print(json.dumps(res, sort_keys=True) if args.json else format_table(res))
     return 0
 

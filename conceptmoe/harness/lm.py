@@ -55,7 +55,7 @@ class ConceptMoEHarnessLM(TemplateLM):
 
     def __init__(self, run: str | None = None, model: torch.nn.Module | None = None, tokenizer=None,
                  device: str = "cpu", batch_size: int | str = 16, max_length: int | None = None,
-                 prefix_token_id: int | None = None, **kwargs: Any) -> None:
+                 prefix_token_id: int | None = None, concept_ratio: float | None = None, **kwargs: Any) -> None:
         super().__init__()
         run_cfg: dict = {}
         if run is not None:
@@ -63,6 +63,8 @@ class ConceptMoEHarnessLM(TemplateLM):
         if model is None or tokenizer is None:
             raise ValueError("ConceptMoEHarnessLM needs run= or model= and tokenizer=")
         self.model, self.tokenizer = model.eval(), tokenizer
+        # An elastic ConceptMoE's R (``--model_args concept_ratio=R``; None: its design ratio).
+        self._at = {} if concept_ratio is None else {"ratio": float(concept_ratio)}
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 16
         self._max_length = int(max_length) if max_length else run_max_length(run_cfg) if run_cfg else DEFAULT_MAX_LENGTH
         ids = token_ids(run_cfg, tokenizer)
@@ -103,7 +105,7 @@ class ConceptMoEHarnessLM(TemplateLM):
             ids = torch.zeros(len(chunk), max(map(len, inps)), dtype=torch.long, device=self.device)
             for row, inp in enumerate(inps):
                 ids[row, :len(inp)] = torch.tensor(inp, device=self.device)
-            logp = F.log_softmax(self.model(ids).logits.float(), dim=-1)  # (b, T, V)
+            logp = F.log_softmax(self.model(ids, **self._at).logits.float(), dim=-1)  # (b, T, V)
             for row, i in enumerate(chunk):
                 cont = torch.tensor(requests[i][2], device=self.device)
                 n = len(inps[row])
@@ -162,7 +164,8 @@ class ConceptMoEHarnessLM(TemplateLM):
             ids[row, T - len(p):], mask[row, T - len(p):] = torch.tensor(p, device=self.device), 1
         new: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for step in stream(self.model, ids, n, temperature, eos_token_id=self._eos or None, attention_mask=mask):
+        for step in stream(self.model, ids, n, temperature, eos_token_id=self._eos or None, attention_mask=mask,
+                           **self._at):
             for row, t in enumerate(step.tokens.tolist()):
                 if done[row]:
                     continue

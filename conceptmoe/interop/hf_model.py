@@ -65,6 +65,9 @@ class ConceptMoEConfig(PreTrainedConfig):
     # special tokens) the last token of the document separator, for ``--model_args prefix_token_id=``.
     prefix_token_id: int | None = None
     max_position_embeddings: int | None = None  # the run's maximum length (lm-evaluation-harness reads it)
+    # The compression R an elastic ConceptMoE runs at (None: its design ratio); ``generate(...,
+    # concept_ratio=R)`` overrides it per call, ``--model_args concept_ratio=R`` per harness run.
+    concept_ratio: float | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         cfg = self.model_config()
@@ -126,8 +129,11 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 cache: ConceptMoECache | None = None, use_cache: bool | None = None,
                 labels: torch.LongTensor | None = None, logits_to_keep: int = 0,
                 inputs_embeds: torch.Tensor | None = None, return_dict: bool | None = None,
-                **kwargs: Any) -> CausalLMOutputWithPast:
+                concept_ratio: float | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
         """Logits (B, T or logits_to_keep, V); ``cache`` continues a sequence one or more tokens on.
+
+        ``concept_ratio``: an elastic ConceptMoE's R, one number or one per row (default:
+        ``config.concept_ratio``, else the design ratio); a cache keeps the R it was built with.
 
         ``position_ids`` and other keyword arguments transformers passes are ignored: positions
         follow from ``attention_mask`` (each row's first real token is position 0).
@@ -144,7 +150,8 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
             logits = self._forward_cached(input_ids, attention_mask, cache)
         else:
             cache = (cache or ConceptMoECache()) if use_cache else None
-            logits = self._forward_new(input_ids, attention_mask, cache, logits_to_keep)
+            ratio = self.config.concept_ratio if concept_ratio is None else concept_ratio
+            logits = self._forward_new(input_ids, attention_mask, cache, logits_to_keep, ratio)
         if logits_to_keep and logits.shape[1] > logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None
@@ -154,15 +161,16 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def _forward_new(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache: ConceptMoECache | None, logits_to_keep: int) -> torch.Tensor:
+                 cache: ConceptMoECache | None, logits_to_keep: int, ratio=None) -> torch.Tensor:
         ids, lengths = compact(input_ids, attention_mask)  # (B, T) right-padded, (B,)
         last_is_real = attention_mask is None or bool(attention_mask[:, -1].bool().all())
+        at = {} if ratio is None else {"ratio": ratio}
         if cache is not None:
-            out, cache.state = prefill(self.model, ids, lengths)
+            out, cache.state = prefill(self.model, ids, lengths, **at)
             cache.seen = input_ids.shape[1]
             if logits_to_keep == 1 and last_is_real:
                 return out.logits[:, None]  # (B, 1, V): exactly what our generate samples from
-        return _uncompact(self.model(ids).logits, attention_mask)  # model logits: (B, T, V), compact layout
+        return _uncompact(self.model(ids, **at).logits, attention_mask)  # model logits: (B, T, V), compact layout
 
     def _forward_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 cache: ConceptMoECache) -> torch.Tensor:

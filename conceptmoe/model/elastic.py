@@ -66,17 +66,18 @@ class RatioEmbedding(nn.Module):
 
     def __init__(self, ratios: list[float], d: int, mode: str, design: float) -> None:
         super().__init__()
-        self.mode = mode
-        self.register_buffer("knots", torch.tensor(sorted(ratios), dtype=torch.float32), persistent=False)
+        # The trained ratios are config, not state: a plain list (a buffer would be left
+        # uninitialised by loaders that build the model on the meta device, e.g. transformers).
+        self.mode, self.ratios = mode, sorted(float(r) for r in ratios)
         # Start from the boundary odds of 1/R relative to the design ratio: the router begins near
         # its fixed-R behaviour at ``design`` and cuts more (fewer) boundaries below (above) it.
-        self.shift = nn.Parameter(math.log(design - 1) - torch.log(self.knots - 1))  # (K,)
+        self.shift = nn.Parameter(math.log(design - 1) - torch.log(torch.tensor(self.ratios) - 1))  # (K,)
         K = len(ratios)
         self.router = nn.Parameter(torch.zeros(K, d)) if mode != "shift" else None  # (K, D)
         self.concept = nn.Parameter(torch.zeros(K, d)) if mode == "router+concept" else None
 
     def forward(self, ratio: torch.Tensor) -> RatioTerms:
-        w = interp_weights(ratio, self.knots)  # (B, K)
+        w = interp_weights(ratio, torch.tensor(self.ratios, device=ratio.device))  # (B, K)
         with torch.autocast(w.device.type, enabled=False):  # fp32: small tables, exact interpolation
             mix = lambda t: None if t is None else w @ t.float()  # noqa: E731
             return RatioTerms(ratio, w @ self.shift.float(), mix(self.router), mix(self.concept))
