@@ -95,6 +95,7 @@ def test_bench_train_dtypes_side_by_side_with_mfu(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "bwd MFU" in text and "topk-R2@32 bf16 forward:" in text
     assert main(["bench", "train", "--preset", "tiny", "--dtype", "fp16"]) == 2
+    assert main(["bench", "train", "--preset", "tiny", "--dtype", ","]) == 2
     assert main(["bench", "train", "--preset", "tiny", "--peak", str(tmp_path / "missing.json")]) == 2
     assert "--peak" in capsys.readouterr().err
 

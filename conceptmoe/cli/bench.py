@@ -245,8 +245,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         raise UserError("--tokens and --repeats must be >= 1, --threads and --profile >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = tuple(args.dtype or [default_dtype(torch.device("cpu"))])
-    if any(d not in ("fp32", "bf16") for d in dtypes):
+    dtypes = tuple(dict.fromkeys(args.dtype if args.dtype is not None else [default_dtype(torch.device("cpu"))]))
+    if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
         raise UserError(f"--dtype must be fp32, bf16 or fp32,bf16 (got {','.join(dtypes)})")
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
                           args.tokens, args.repeats, exact=not args.router, profile=args.profile,
