@@ -48,6 +48,15 @@ def test_fsdp_with_expert_parallel_is_refused_before_writing(corpus, tmp_path):
     assert not out.exists()
 
 
+def test_init_weights_that_do_not_fit_are_refused_before_writing(corpus, base_run, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="its weights do not fit this model"):
+        train(_cfg(corpus, out, init=str(base_run), overrides={"expert_hidden": 24}))
+    assert not out.exists()  # the corrected command is not refused as "already holds a run"
+    train(_cfg(corpus, out, init=str(base_run), max_steps=1))
+    assert ck.read_run_config(out)["train"]["init"] == str(base_run.resolve())
+
+
 def test_resume_forgets_the_launch_layout(base_run):
     # --parallel / --expert-parallel are chosen per launch: any process count resumes a run
     cfg = ck.read_run_config(base_run)

@@ -169,7 +169,11 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         if tc.progress and d.main:
             print(data.note + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
             print(dtype_note(d.device, dtype, tc.dtype), file=sys.stderr)
-        if d.main:  # all input is valid: only now is the output folder touched
+        torch.manual_seed(tc.seed)
+        model = build_model(mc).to(d.device)
+        if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
+            load_init_weights(model, tc.init, d.device)
+        if d.main:  # all input (--init weights too) is valid: only now is the output folder touched
             if tc.force and not tc.resume:
                 ck.remove_run(out)
             save_tokenizer(data.tokenizer, out / "tokenizer.json")
