@@ -179,10 +179,6 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             save_tokenizer(data.tokenizer, out / "tokenizer.json")
             ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
                                                 "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record})
-        torch.manual_seed(tc.seed)
-        model = build_model(mc).to(d.device)
-        if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
-            load_init_weights(model, tc.init, d.device)
         if tc.compile:
             for blk in distributed.blocks(model):
                 blk.compile(dynamic=True)
