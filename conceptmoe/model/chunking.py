@@ -48,7 +48,7 @@ class Chunks:
 def _fp32_linear(lin: nn.Linear, h: torch.Tensor) -> torch.Tensor:
     """W h in fp32 whatever autocast says (the cosine router: boundaries hinge on small angles)."""
     with torch.autocast(h.device.type, enabled=False):
-        return F.linear(h.float(), lin.weight.float())
+        return F.linear(h.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
 
 
 class ChunkRouter(nn.Module):
