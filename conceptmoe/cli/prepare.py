@@ -1,4 +1,4 @@
-"""``conceptmoe prepare``: tokenize a corpus once into token shards (training/prepare.py)."""
+"""``conceptmoe prepare``: tokenize a corpus once into token shards (data/prepare.py)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def _tail_split(doc: Document, frac: float) -> tuple[Document, Document] | None:
 class SplitRule:
     """The held-out rule of ``split_documents``, fixed by two corpus-wide counts.
 
-    Applied one document at a time, so that a corpus streamed from disk (training/prepare.py)
+    Applied one document at a time, so that a corpus streamed from disk (data/prepare.py)
     splits exactly like one held in memory.
     """
 

@@ -1,7 +1,7 @@
 """Offline lm-evaluation-harness tasks built from the held-out plays (issue 11 B).
 
 Stock harness tasks download their datasets; these are made here, from text the package already
-has (the held-out plays of the default corpus, ``training/data.py``), into a cache folder of
+has (the held-out plays of the default corpus, ``data/corpus.py``), into a cache folder of
 harness YAML files (``dataset_path: json`` with local ``data_files``) plus JSON-lines data.
 Everything is deterministic (fixed seeds), so every machine builds the same tasks. The folder is
 ``$CONCEPTMOE_TASKS_DIR`` or ``~/.cache/conceptmoe/harness-tasks/v<VERSION>``; pass it to the

@@ -311,7 +311,7 @@ def paper() -> ModelConfig:
 
 
 def vlm() -> ModelConfig:
-    """Vision-language CPU model for the digits task (training/vlm_data.py): 8x8 images in 4x4
+    """Vision-language CPU model for the digits task (data/digits.py): 8x8 images in 4x4
     patches (4 positions per image), a 64-entry word vocabulary, 6 layers (1 + 4 + 1)."""
     return ModelConfig(vocab_size=64, d_model=128, n_heads=4, n_kv_heads=4, n_layers=6,
                        n_experts=16, top_k=2, expert_hidden=64, n_shared_experts=1,

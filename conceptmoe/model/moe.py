@@ -149,7 +149,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(d, n_shared * (shared_hidden or hidden)) if n_shared else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if (n_shared and shared_gate) else None
         # (module, rows grouped by global expert, counts (E,), grouped) -> outputs in the same order;
-        # set by expert parallelism (training/expert_parallel.py), None: all experts are here.
+        # set by expert parallelism (parallel/expert_parallel.py), None: all experts are here.
         self.expert_dispatch: Callable | None = None
 
     # ----- routing -----

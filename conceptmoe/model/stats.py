@@ -5,7 +5,7 @@ compression are means over the batch. Under data parallelism each process holds 
 global batch, and the concept layers see a different number of concepts on every process, so
 local means would make the loss depend on the world size. The model never asks for a rank:
 whoever parallelizes it sets ``model.stats_reduce`` to a function that sums a 1-D tensor over
-the data-parallel group (``training/distributed.py``). ``None`` (one process) means local =
+the data-parallel group (``parallel/distributed.py``). ``None`` (one process) means local =
 global. One call per training forward sums every layer's statistics at once.
 
 Gradients: data parallelism *averages* gradients over the W processes, so a global mean

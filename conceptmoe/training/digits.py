@@ -1,4 +1,4 @@
-"""Training and evaluation on the vision-language digits task (``--data vlm-digits``, vlm_data.py).
+"""Training and evaluation on the vision-language digits task (``--data vlm-digits``, data/digits.py).
 
 ``vlm_data(tc, mc, stored)`` is what ``train`` uses for ``data="vlm-digits"``: the tokenizer,
 a resumable sampler (global batch k is a pure function of (seed, k)), the periodic and final

@@ -160,7 +160,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                             [mc.n_experts] + ([mc.concept_experts] if mc.is_concept else []))
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
-        if tc.data == VLM_DATA:  # the image-text digits task (vlm_train.py)
+        if tc.data == VLM_DATA:  # the image-text digits task (digits.py)
             from .digits import vlm_data
 
             data = vlm_data(tc, mc, stored)
