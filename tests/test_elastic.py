@@ -280,3 +280,32 @@ def test_harness_model_args_concept_ratio(elastic_run):
         logp = torch.log_softmax(m(ids, ratio=4.0).logits.float(), -1)[0, 39:49]
     want = float(logp.gather(1, torch.arange(80, 90)[:, None]).sum())
     assert score[4.0] == pytest.approx(want, abs=1e-4) and score[1.5] != pytest.approx(score[4.0], abs=1e-4)
+
+
+def test_converted_runs_become_elastic(tmp_path, capsys):
+    """convert --ratios (a fresh ratio embedding) and train --init FIXED_RUN --ratios both give elastic runs."""
+    from conceptmoe.cli import main
+    from conceptmoe.training.checkpoint import load_run
+
+    corpus = make_corpus(tmp_path / "c", n_docs=3, chars=3000)
+    moe = train(TrainConfig(**TINY, model="moe", data=str(corpus), out=str(tmp_path / "moe"), max_steps=2,
+                            eval_every=0, val_tokens=200, dtype="fp32"))
+    assert main(["convert", str(moe), "--out", str(tmp_path / "el"), "--ratios", "1.5,2,3"]) == 0
+    assert main(["convert", str(moe), "--out", str(tmp_path / "fx")]) == 0
+    capsys.readouterr()
+    src = load_run(tmp_path / "el", "cpu")[0]
+    assert src.cfg.elastic_ratios == [1.5, 2.0, 3.0]
+    for init, ratios in ((tmp_path / "el", None), (tmp_path / "fx", "1.5,2,3")):
+        out = tmp_path / f"ct-{init.name}"
+        train(TrainConfig(device="cpu", progress=False, batch_size=4, seq_len=32, init=str(init), ratios=ratios,
+                          out=str(out), max_steps=2, eval_every=0, val_tokens=200, dtype="fp32"))
+        m = load_run(out, "cpu")[0]
+        assert m.cfg.elastic_ratios == [1.5, 2.0, 3.0]
+        fixed = load_run(init, "cpu")[0].state_dict()
+        # two Adam steps from the init weights (a fresh init would be ~0.02-0.1 away everywhere)
+        drift = max(float((t - fixed[n]).abs().max()) for n, t in m.state_dict().items() if n in fixed)
+        assert 0 < drift < 0.02
+        assert main(["eval", str(out), "--ratio", "3", "--val-tokens", "200", "--device", "cpu"]) == 0
+    # a ratio set whose range leaves out the converted run's design R is refused
+    assert main(["convert", str(moe), "--out", str(tmp_path / "bad"), "--ratios", "3,4"]) == 2
+    assert "design ratio must lie in the trained range" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from ..interop.convert import STRATEGIES, convert_run
 from ..model.config import parse_overrides
 from ..model.flops import count_flops
 from ..training.checkpoint import model_config_of, read_run_config
+from ..training.elastic import parse_ratios
 from .args import finite_float, seed
 
 
@@ -21,7 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC_RUN", help="MoE run directory (conceptmoe train --model moe, or import-hf)")
     p.add_argument("--out", required=True, metavar="RUN", help="run directory to write")
     p.add_argument("--ratio", type=finite_float, default=2.0,
-                   help="target compression R (default 2; 1: fixed router, every token a concept)")
+                   help="target compression R (default 2; 1: fixed router, every token a concept); with "
+                        "--ratios: the design ratio")
+    p.add_argument("--ratios", metavar="R,R,...",
+                   help="make the ConceptMoE elastic over these ratios (a fresh ratio embedding; continue with "
+                        "conceptmoe train --init RUN, which then draws each sequence's R from them)")
     p.add_argument("--split", metavar="E+C+D",
                    help="encoder + concept + decoder layers (default thin stages as in the paper's "
                         "2+23+2: E = D = max(1, round(2n/27)), so 1+(n-2)+1 up to 20 layers)")
@@ -39,8 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    overrides = parse_overrides(args.overrides)
+    if args.ratios is not None:
+        overrides["elastic_ratios"] = [r for r, _ in parse_ratios(args.ratios)]
     out = convert_run(args.src, args.out, ratio=args.ratio, split=args.split, loops=args.loops,
-                      joint_layers=args.joint_layers, overrides=parse_overrides(args.overrides),
+                      joint_layers=args.joint_layers, overrides=overrides,
                       strategy=args.strategy, force=args.force, seed=args.seed)
     cfg = model_config_of(read_run_config(out))
     src = count_flops(model_config_of(read_run_config(args.src)))

@@ -157,7 +157,7 @@ def map_state(src_state: dict[str, torch.Tensor], target: dict[str, torch.Tensor
             raise UserError(f"{key}: source shape {tuple(t.shape)} != ConceptMoE shape {tuple(target[key].shape)}")
         out[key] = t
     for key in sorted(set(target) - set(out)):
-        if not (key.startswith("chunk.") or (key.startswith("decoder.") and ".attn.j" in key)):
+        if not (key.startswith(("chunk.", "ratio_embed.")) or (key.startswith("decoder.") and ".attn.j" in key)):
             raise UserError(f"the ConceptMoE needs {key!r}, which the source does not hold")
         out[key] = target[key]
     return out

@@ -31,8 +31,20 @@ def resolve_init(init: str, init_model: dict[str, Any] | None) -> tuple[str, dic
 
 
 def load_init_weights(model: torch.nn.Module, init: str, device: torch.device | str) -> None:
-    """Copy the init run's weights into a freshly built model (shapes must match)."""
+    """Copy the init run's weights into a freshly built model (shapes must match). A fixed-R run
+    may start an elastic one (``--ratios``): the new ratio embedding keeps its fresh init."""
+    path = Path(init) / "model.safetensors"
     try:
-        ck.load_weights(model, Path(init) / "model.safetensors", device)
+        if getattr(model, "ratio_embed", None) is not None and path.is_file():
+            from safetensors.torch import load_model
+
+            missing, unexpected = load_model(model, str(path), strict=False, device=str(device))
+            wrong = sorted(set(missing) - {n for n, _ in model.ratio_embed.named_parameters(prefix="ratio_embed")})
+            if wrong or unexpected:
+                raise UserError(f"{path} does not match the model (missing {wrong[:3]}, unexpected {sorted(unexpected)[:3]})")
+            return
+        ck.load_weights(model, path, device)
+    except RuntimeError as e:  # shapes
+        raise UserError(f"--init {init}: its weights do not fit this model: {str(e).splitlines()[0]}") from None
     except UserError as e:
         raise UserError(f"--init {init}: its weights do not fit this model (a --set that changes shapes?): {e}") from None
