@@ -243,8 +243,10 @@ def test_cli_ratio_flags_and_frontier(elastic_run, tmp_path, capsys):
     assert "target R = 6" in capsys.readouterr().out
     png = tmp_path / "f.png"
     assert main(["frontier", str(elastic_run), "--ratios", "1.5,3,5", "--val-tokens", "3000", "--json",
-                 "--plot", str(png), "--device", "cpu"]) == 0
+                 "--plot", str(png), "--device", "cpu", "--latency", "--latency-len", "64"]) == 0
     rows = json.loads(capsys.readouterr().out)
+    assert all(r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 and r["prefill_tokens"] == 64 for r in rows)
+    assert rows[0]["prefill_compression"] < rows[1]["prefill_compression"]  # the timed passes ran at each R
     assert [r["ratio"] for r in rows] == [1.5, 3.0]  # 5 is outside the trained range: left out
     assert rows[0]["activated_flops_per_token"] > rows[1]["activated_flops_per_token"]
     assert rows[0]["concept_kv_bytes_per_token"] > rows[1]["concept_kv_bytes_per_token"]

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON list of rows")
     p.add_argument("--plot", nargs="?", const="frontier.png", metavar="PNG",
                    help="write val BPB against FLOPs/token as a PNG (default frontier.png)")
+    p.add_argument("--latency", action="store_true",
+                   help="also time prefill (the first --latency-len held-out tokens) and per-token decode "
+                        "(16 steps of the text) at each R, on this machine")
+    p.add_argument("--latency-len", type=int, default=512, metavar="L", help="prefill length of --latency (default 512)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_frontier)
 
@@ -48,13 +52,35 @@ def _parse(spec: str) -> list[float]:
     return out
 
 
+def _add_latency(rows: list[dict], prefill_len: int, device: str) -> None:
+    """Prefill and decode latency of every row, on the run's held-out text (bench/text_latency.py)."""
+    import torch
+
+    from ..bench.text_latency import text_latency
+    from ..evaluation.evaluate import held_out_tokens
+    from ..training.checkpoint import load_run
+
+    for run in dict.fromkeys(r["run"] for r in rows):
+        model, cfg, tok, run_cfg = load_run(run, device)
+        ids, _ = held_out_tokens(run_cfg, cfg, tok)
+        ids = torch.as_tensor(ids[:prefill_len + 16].astype("int64"))
+        if len(ids) < prefill_len + 16:
+            raise UserError(f"{run}: the held-out text has {len(ids)} tokens, fewer than --latency-len + 16")
+        for r in (r for r in rows if r["run"] == run):
+            r.update(text_latency(model, ids, r["ratio"] if r["elastic"] else None, prefill_len))
+
+
 def cmd_frontier(args: argparse.Namespace) -> int:
     from ..evaluation.frontier import format_table, frontier, plot
 
     ratios = _parse(args.ratios)
     if args.val_tokens is not None and args.val_tokens < 1:
         raise UserError("--val-tokens must be a positive integer")
+    if args.latency_len < 1:
+        raise UserError("--latency-len must be a positive integer")
     rows = frontier(args.runs, ratios, args.device, args.val_tokens)
+    if args.latency:
+        _add_latency(rows, args.latency_len, args.device)
     print(json.dumps(rows) if args.json else format_table(rows))
     if args.plot:
         plot(rows, args.plot)

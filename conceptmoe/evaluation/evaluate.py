@@ -35,6 +35,16 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
     """
     model, cfg, tok, run_cfg = load_run(run_dir, device)
     ratio = require_ratio(cfg, ratio, extrapolate)
+    ids, max_tokens = held_out_tokens(run_cfg, cfg, tok, data, max_tokens)
+    seq_len = int(run_cfg.get("train", {}).get("seq_len", 256))
+    return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
+                           batch_size or EVAL_BATCH, max_tokens, progress, ratio)
+
+
+def held_out_tokens(run_cfg: dict[str, Any], cfg, tok, data: str | Path | None = None,
+                    max_tokens: int | None = None):
+    """(token ids of the run's held-out split, or of all text under ``data``; the token cap,
+    defaulting to the run's ``val_tokens`` for the held-out split)."""
     train_cfg = run_cfg.get("train", {})
     source = train_cfg.get("data") if data is None else data
     prep = open_prepared(source) if is_prepared(source) else None  # `conceptmoe prepare` shards
@@ -52,9 +62,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
     ids = prep.val_tokens if prep else encode_documents(tok, texts, DOC_SEP)
     if prep is None and int(ids.max(initial=0)) >= cfg.vocab_size:
         raise UserError("tokenizer.json does not fit the model's vocabulary; the run is damaged")
-    seq_len = int(train_cfg.get("seq_len", 256))
-    return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
-                           batch_size or EVAL_BATCH, max_tokens, progress, ratio)
+    return ids, max_tokens
 
 
 def is_vlm_run(run_dir: str | Path) -> bool:

@@ -65,11 +65,13 @@ def frontier(runs: list[str], ratios: list[float], device: str = "auto",
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'run':<28} {'R asked':>7} {'R real':>7} {'val_bpb':>8} {'MFLOPs/tok':>10} "
             f"{'KV B/tok':>9} {'concept KV B/tok':>16}")
-    lines = [head]
+    timed = all("decode_ms_per_token" in r for r in rows)
+    lines = [head + (f" {'prefill s':>9} {'decode ms/tok':>13}" if timed else "")]
     for r in rows:
         lines.append(f"{Path(r['run']).name[:28]:<28} {r['ratio']:>7g} {r['compression']:>7.2f} {r['val_bpb']:>8.4f} "
                      f"{r['activated_flops_per_token'] / 1e6:>10.3f} {r['kv_bytes_per_token']:>9.0f} "
-                     f"{r['concept_kv_bytes_per_token']:>16.0f}")
+                     f"{r['concept_kv_bytes_per_token']:>16.0f}"
+                     + (f" {r['prefill_s']:>9.4f} {r['decode_ms_per_token']:>13.3f}" if timed else ""))
     design = sorted({f"{r['design_ratio']:g}" for r in rows if r['elastic']})
     if design:
         lines.append(f"(elastic runs compute-matched at design R = {', '.join(design)}; FLOPs at the realised R)")
@@ -77,24 +79,29 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
-    """val BPB against activated FLOPs/token, one line per run, points labelled with R."""
+    """val BPB against activated FLOPs/token (and against decode latency when timed), one line
+    per run, points labelled with the realised R."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
-    for run in dict.fromkeys(r["run"] for r in rows):
-        mine = sorted((r for r in rows if r["run"] == run), key=lambda r: r["activated_flops_per_token"])
-        xs, ys = [r["activated_flops_per_token"] / 1e6 for r in mine], [r["val_bpb"] for r in mine]
-        ax.plot(xs, ys, marker="o", label=f"{Path(run).name} ({mine[0]['name']})")
-        for r, x, y in zip(mine, xs, ys):
-            ax.annotate(f"R={r['compression']:.2f}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("activated MFLOPs per token (at the realised compression)")
-    ax.set_ylabel("validation bits per byte")
-    ax.set_title("Quality vs compute: one elastic model, several budgets")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    axes = [("activated_flops_per_token", 1e-6, "activated MFLOPs per token (at the realised compression)")]
+    if all("decode_ms_per_token" in r for r in rows):
+        axes.append(("decode_ms_per_token", 1.0, "decode latency, ms per token (this machine)"))
+    fig, panels = plt.subplots(1, len(axes), figsize=(6.5 * len(axes), 4.5), dpi=120, squeeze=False)
+    for ax, (key, scale, label) in zip(panels[0], axes):
+        for run in dict.fromkeys(r["run"] for r in rows):
+            mine = sorted((r for r in rows if r["run"] == run), key=lambda r: r[key])
+            xs, ys = [r[key] * scale for r in mine], [r["val_bpb"] for r in mine]
+            ax.plot(xs, ys, marker="o", label=f"{Path(run).name} ({mine[0]['name']})")
+            for r, x, y in zip(mine, xs, ys):
+                ax.annotate(f"R={r['compression']:.2f}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation bits per byte")
+        ax.set_title("Quality vs compute: one elastic model, several budgets")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     with files.replacing(Path(path)) as tmp:
         fig.savefig(tmp, format="png")
