@@ -128,6 +128,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"val_loss {ev['val_loss']:.4f}  val_bpb {ev['val_bpb']:.4f}  "
           f"compression {ev['compression']:.2f}  tokens {ev['tokens']}")
+    mc = json.loads((out / "config.json").read_text()).get("model", {})
+    if mc.get("elastic_ratios"):  # the figures above are at the design ratio
+        rs = mc["elastic_ratios"]
+        print(f"elastic: choose R in [{rs[0]:g}, {rs[-1]:g}] with --ratio (eval, generate, boundaries, bench latency); "
+              f"compute-matched and validated at the design R {mc['compression_ratio']:g}; "
+              f"conceptmoe frontier {out} reports every R")
     return 0
 
 
