@@ -177,6 +177,8 @@ def test_resume_of_an_elastic_run_is_exact(tmp_path, monkeypatch):
     a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert json.loads((out / "config.json").read_text())["train"]["ratios"] == [[1.5, 1.0], [2.0, 2.0], [4.0, 1.0]]
+    with pytest.raises(UserError, match="different ratios"):  # another draw of R would be another run
+        train(TrainConfig(**{**kw, "ratios": "1.5,2,4"}, out=str(out), resume=True))
 
 
 @pytest.mark.parametrize("mode,pooling", [("router+concept", "boundary"), ("router", "mean")])

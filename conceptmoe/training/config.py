@@ -36,7 +36,7 @@ CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_l
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
                               "concept_loops", "concept_n_experts", "concept_top_k")
 # Changing these on --resume would make a different run.
-RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed")
+RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed", "ratios")
 
 
 @dataclass
