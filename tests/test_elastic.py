@@ -84,6 +84,23 @@ def test_concept_embedding_reaches_the_concept_model():
     assert not torch.allclose(a, m(x, ratio=2.0, boundaries_override=b).logits, atol=1e-5)
 
 
+@pytest.mark.parametrize("source", ["output", "update"])
+def test_concept_vector_is_not_carried_past_the_concept_model(source):
+    """With identity concept layers (zero output projections) the vector changes nothing: it
+    conditions the concept layers only, it never reaches the token stream itself."""
+    m = _model("router+concept", dechunk_source=source).eval()
+    with torch.no_grad():
+        for name, p in m.concept.named_parameters():
+            if name.endswith(("attn.wo.weight", "w_down", "down.weight")):
+                p.zero_()
+    x = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(7))
+    b = torch.rand(2, 20, generator=torch.Generator().manual_seed(8)) < 0.5
+    a = m(x, ratio=3.0, boundaries_override=b).logits
+    with torch.no_grad():
+        m.ratio_embed.concept.zero_()
+    assert torch.allclose(a, m(x, ratio=3.0, boundaries_override=b).logits, atol=1e-6)
+
+
 def test_shift_baseline_changes_only_the_threshold():
     m = _model("shift").eval()
     assert m.ratio_embed.router is None and m.ratio_embed.concept is None
@@ -181,9 +198,10 @@ def test_resume_of_an_elastic_run_is_exact(tmp_path, monkeypatch):
         train(TrainConfig(**{**kw, "ratios": "1.5,2,4"}, out=str(out), resume=True))
 
 
-@pytest.mark.parametrize("mode,pooling", [("router+concept", "boundary"), ("router", "mean")])
-def test_per_row_ratio_decode_equals_row_by_row_and_full_recompute(mode, pooling):
-    m = _model(mode, seed=1, concept_pooling=pooling, dechunk_source="update").eval()
+@pytest.mark.parametrize("mode,pooling,source", [("router+concept", "boundary", "output"),
+                                                 ("router+concept", "mean", "update"), ("router", "mean", "update")])
+def test_per_row_ratio_decode_equals_row_by_row_and_full_recompute(mode, pooling, source):
+    m = _model(mode, seed=1, concept_pooling=pooling, dechunk_source=source).eval()
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, 256, (3, 12), generator=g)
     mask = torch.ones(3, 12, dtype=torch.long)

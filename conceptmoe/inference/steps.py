@@ -134,7 +134,7 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
             c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, ch.mask, model.dispatch)
     concepts.lengths = ch.mask.sum(1).tolist()
     update = cfg.dechunk_source == "update"
-    z_tok, z_res = dechunk(ch, c, c_in if update else None)  # (B, T, D) each
+    z_tok, z_res = dechunk(ch, c, c_in) if update else dechunk(ch, c - (c_in - ch.concepts))  # (B, T, D) each
     x = h + z_res
     for i, blk in enumerate(model.decoder):
         x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, valid, model.dispatch, z=z_tok)
@@ -192,9 +192,10 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
     if ck.pool_sum is not None:
         pooled = (ck.pool_sum + h) / (ck.pool_count + 1)[:, None].to(h.dtype)
     if rows.numel():
-        c_in = (pooled if ck.pool_sum is not None else h)[rows]  # (n, D)
+        c_raw = (pooled if ck.pool_sum is not None else h)[rows]  # (n, D)
+        c_in = c_raw  # plus the rows' ratio vector (elastic "router+concept"), taken off again below
         if terms is not None and terms.concept is not None:
-            c_in = c_in + terms.concept[rows].to(c_in.dtype)
+            c_in = c_raw + terms.concept[rows].to(c_raw.dtype)
         c = c_in[:, None]  # (n, 1, D)
         cpos = torch.tensor([state.concepts.lengths[r] for r in rows.tolist()], device=dev)
         ccos, csin = _rope(model, cpos[:, None], x.dtype)
@@ -205,7 +206,7 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
         state.concepts.advance(rows)
         pr = p[rows, None].to(z.dtype)
         z = z.clone()
-        src = c[:, 0] - c_in if cfg.dechunk_source == "update" else c[:, 0]
+        src = c[:, 0] - c_in if cfg.dechunk_source == "update" else c[:, 0] - (c_in - c_raw)
         z[rows] = pr * src + (1 - pr) * z[rows]  # EMA update of the rows with a boundary
         state.dechunk.z = z
         for r in rows.tolist():

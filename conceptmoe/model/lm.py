@@ -259,7 +259,10 @@ class ConceptMoELM(LanguageModel):
         ch = gather_concepts(h, p, b, cfg.concept_pooling)
         c_in = self.concept_input(ch.concepts, ch.mask, terms)
         c, aux_c = self.run_concepts(c_in, ch.mask)  # (B, C, D)
-        z_tok, z_res = dechunk(ch, c, c_in if cfg.dechunk_source == "update" else None)
+        if cfg.dechunk_source == "update":
+            z_tok, z_res = dechunk(ch, c, c_in)
+        else:  # an elastic model's concept vector conditions the concept layers; it is not carried on
+            z_tok, z_res = dechunk(ch, c - (c_in - ch.concepts))
         x = h + z_res
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         aux_d = []
@@ -292,7 +295,9 @@ class ConceptMoELM(LanguageModel):
     @staticmethod
     def concept_input(concepts: torch.Tensor, mask: torch.Tensor, terms: RatioTerms | None) -> torch.Tensor:
         """The concept model's input (B, C, D): the concepts, plus the ratio's concept vector
-        (``ratio_embedding="router+concept"``) on real concepts."""
+        (``ratio_embedding="router+concept"``) on real concepts. The dechunk takes the vector off
+        again (c_out - vector, or the update c_out - c_in): a signal to the concept layers only, so
+        at a zero vector the model is exactly a fixed-R model."""
         if terms is None or terms.concept is None:
             return concepts
         return concepts + (terms.concept[:, None] * mask[..., None]).to(concepts.dtype)
