@@ -28,7 +28,7 @@ DECHUNK_SOURCES = ("output", "update")
 # reuse) and the JSON of every config that does not use them stays byte-identical.
 LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
                  "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none",
-                 "elastic_ratios": None, "ratio_embedding": "router+concept"}
+                 "elastic_ratios": None, "ratio_embedding": "router"}
 QK_NORMS = ("none", "head", "full")
 RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
 ATTN_BIASES = ("none", "qkv", "qkvo")
@@ -95,7 +95,10 @@ class ModelConfig:
     # [min, max] can be asked for at inference; compression_ratio is then the design ratio
     # (compute matching, FLOPs reports, the default R at inference).
     elastic_ratios: list[float] | None = None
-    ratio_embedding: str = "router+concept"  # how R reaches the model: "shift" | "router" | "router+concept"
+    # How R reaches the model: "shift" (threshold only), "router" (+ a vector into the router's
+    # input) or "router+concept" (+ a vector into the concept layers); "router" trained best in
+    # the tiny measurements of issue 21 (notes), the study at the small preset decides.
+    ratio_embedding: str = "router"
     extra: dict[str, Any] = field(default_factory=dict)  # free-form metadata (e.g. preset name)
 
     def __post_init__(self) -> None:
