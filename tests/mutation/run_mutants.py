@@ -118,6 +118,9 @@ MUTANTS = [
     Mutant("elastic-batch-ratio-loss", LM, "            rl = per_sequence_ratio_loss(p, b, terms.ratio, real)[0]",
            "            rl = ratio_loss_fg(F_, G, terms.ratio.mean())",
            ("tests/test_elastic.py",), "one batch-level ratio loss instead of one per sequence"),
+    Mutant("elastic-concept-vector-carried", LM, "            z_tok, z_res = dechunk(ch, c - (c_in - ch.concepts))",
+           "            z_tok, z_res = dechunk(ch, c)", ("tests/test_elastic.py",),
+           "the ratio's concept vector carried past the concept model into the token stream"),
 ]
 
 
