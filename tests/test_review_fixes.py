@@ -13,6 +13,7 @@ from conceptmoe.model.flops import count_flops
 from conceptmoe.model.match import match_config
 from conceptmoe.model.moe import MoE
 from conceptmoe.evaluation.compare import CompareConfig, build_report, render_markdown
+from conceptmoe.training.checkpoint import RUN_FORMAT
 from conceptmoe.training.config import TrainConfig
 
 
@@ -102,6 +103,7 @@ def test_model_with_expert_hidden_18_trains_a_step():
 # ----- E5: compare reports FLOPs at the realised compression -----
 def _fake_run(run, compression):
     run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"format": RUN_FORMAT, "model": {}, "data": {"train_tokens": 1000}}))
     (run / "eval.json").write_text(json.dumps({"val_bpb": 2.0, "val_loss": 1.4, "compression": compression,
                                                "p_histogram": [1] * 20}))
     (run / "metrics.jsonl").write_text(json.dumps({"tokens": 100, "tokens_per_s": 50.0, "val_bpb": 2.1}) + "\n")
@@ -114,6 +116,7 @@ def test_compare_report_has_flops_at_the_realised_compression(tmp_path):
     _fake_run(tmp_path / "moe" / "seed0", 1.0)
     _fake_run(tmp_path / "topk-R2" / "seed0", 3.1)  # compressed more than R = 2: fewer concept FLOPs
     rep = build_report(cc, models)
+    assert rep["data"]["epochs"] == pytest.approx(100 / 1000)  # tokens trained / the data's training tokens
     base, cm = rep["models"]
     assert base["activated_flops_per_token_realised"] == base["activated_flops_per_token"]
     cfg = ModelConfig.from_dict(cm["config"])
