@@ -61,6 +61,12 @@ def interp_weights(ratio: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
     return w.scatter_add(1, (i + 1)[:, None], t[:, None])
 
 
+# The concept vector is CONCEPT_SCALE x its parameter: Adam moves every weight by ~lr per step
+# whatever its gradient, and a vector added to concept states of rms ~0.04 must move slower than
+# that (at scale 1 it reached rms 0.018 in 500 tiny steps and cost ~0.05 BPB; notes of issue 21).
+CONCEPT_SCALE = 0.1
+
+
 class RatioEmbedding(nn.Module):
     """Per-trained-ratio tables (shift, router vector, concept vector), interpolated in log R."""
 
@@ -80,7 +86,8 @@ class RatioEmbedding(nn.Module):
         w = interp_weights(ratio, torch.tensor(self.ratios, device=ratio.device))  # (B, K)
         with torch.autocast(w.device.type, enabled=False):  # fp32: small tables, exact interpolation
             mix = lambda t: None if t is None else w @ t.float()  # noqa: E731
-            return RatioTerms(ratio, w @ self.shift.float(), mix(self.router), mix(self.concept))
+            concept = None if self.concept is None else CONCEPT_SCALE * mix(self.concept)
+            return RatioTerms(ratio, w @ self.shift.float(), mix(self.router), concept)
 
 
 def per_sequence_ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor,
