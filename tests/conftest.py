@@ -18,3 +18,17 @@ os.environ.setdefault("CONCEPTMOE_CPU_BF16", "0")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tasks_root(tmp_path_factory):
+    """One folder for the harness task files built by the tests (built once per session)."""
+    return tmp_path_factory.mktemp("tasks")
+
+
+@pytest.fixture
+def offline_harness(monkeypatch, tasks_root):
+    """lm-evaluation-harness without a hub, its task files in ``tasks_root``."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("CONCEPTMOE_TASKS_DIR", str(tasks_root))

@@ -28,19 +28,8 @@ TASKS = ["cmoe_nextline", "cmoe_niah_05k"]
 
 
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("CONCEPTMOE_TASKS_DIR", str(_tasks_root(tmp_path_factory)))
-
-
-_ROOT = {}
-
-
-def _tasks_root(factory):
-    if "root" not in _ROOT:
-        _ROOT["root"] = factory.mktemp("tasks")
-    return _ROOT["root"]
+def _offline(offline_harness):
+    """Every test here runs the harness offline (conftest.offline_harness)."""
 
 
 @pytest.fixture(scope="module")
