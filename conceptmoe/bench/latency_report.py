@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..files import replacing, write_text
+
 
 def kv_check(result: dict) -> list[dict]:
     """Measured vs analytic KV-cache size of each ConceptMoE relative to the MoE (prefill rows)."""
@@ -97,7 +99,8 @@ def plot_latency(result: dict, path: str | Path) -> Path:
     fig.legend(handles, labels, loc="lower center", ncol=min(4, max(1, len(labels))), fontsize=8)
     fig.tight_layout(rect=(0, 0.06 * (1 + (len(labels) - 1) // 4), 1, 1))
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path
 
@@ -108,5 +111,5 @@ def write_outputs(result: dict, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     result["kv_check"] = kv_check(result)
     js = out / "latency.json"
-    js.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    write_text(js, json.dumps(result, indent=2, allow_nan=False) + "\n")
     return {"json": js, "plot": plot_latency(result, out / "latency.png")}

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..files import write_text
 from ..interop.hf_config import ARCHS as ARCHS_HF
 from ..interop.hf_config import hf_config_from_model
 from ..interop.hf_weights import to_hf
@@ -135,7 +136,7 @@ def write_rows(rows: list[dict], out: str | Path) -> Path:
     """``moe_bench.json`` (the ``to_dict`` rows) in the folder ``out``."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "moe_bench.json").write_text(json.dumps(rows, indent=2, allow_nan=False) + "\n")
+    write_text(path / "moe_bench.json", json.dumps(rows, indent=2, allow_nan=False) + "\n")
     return path / "moe_bench.json"
 
 

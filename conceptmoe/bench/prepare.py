@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..data.corpus import play_files
 from ..data.tokenizer import train_tokenizer
+from ..files import write_text
 
 SAMPLE_CHARS = 4_000_000  # tokenizer training sample
 _CHILD = """
@@ -124,6 +125,6 @@ def run_and_report(sizes_mb: list[float], out: str | None, work: str | None, voc
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         path = Path(out) / "prepare.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_text(path, json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
     return result

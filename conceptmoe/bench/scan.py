@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..model.scan import ema_scan, ema_scan_reference
+from ..files import write_text
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -81,6 +82,6 @@ def run_and_report(concepts: int, dim: int, batch: int, repeats: int, device: st
     if out:
         path = Path(out)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "scan.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+        write_text(path / "scan.json", json.dumps(res, indent=2, allow_nan=False) + "\n")
         print(f"wrote {path / 'scan.json'}")
     return res

@@ -23,7 +23,7 @@ from ..bench.train import format_table as format_train_table
 from ..bench.train import run_train_bench
 from ..device import default_dtype, resolve_device
 from ..errors import UserError
-from ..files import write_json
+from ..files import write_json, write_text
 from ..training.checkpoint import load_run
 
 
@@ -257,7 +257,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+        write_text(out / "train.json", json.dumps(res, indent=2, allow_nan=False) + "\n")
         print(f"wrote {out / 'train.json'}")
     return 0
 

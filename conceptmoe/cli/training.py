@@ -25,6 +25,7 @@ from ..evaluation.evaluate import evaluate
 from ..training.train import train
 from .args import finite_float, seed
 from .frontier import add_ratio_flags
+from ..files import write_text
 
 MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
 _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
@@ -323,7 +324,7 @@ def cmd_boundaries(args: argparse.Namespace) -> int:
     print(render_terminal(res, color=color))
     if args.html:
         Path(args.html).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.html).write_text(render_html(res), encoding="utf-8")
+        write_text(Path(args.html), render_html(res))
         print(f"HTML written to {args.html}")
     return 0
 
@@ -338,6 +339,6 @@ def _vlm_boundaries(args: argparse.Namespace) -> int:
     print(render_vlm_terminal(views))
     if args.html:
         Path(args.html).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.html).write_text(render_vlm_html(views, args.run), encoding="utf-8")
+        write_text(Path(args.html), render_vlm_html(views, args.run))
         print(f"HTML written to {args.html}")
     return 0
