@@ -29,10 +29,8 @@ from .errors import Interrupted, UserError
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically: temp file in the same directory, then rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")  # strict JSON
-    os.replace(tmp, path)
+    """Write strict JSON (no NaN) atomically."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -135,22 +134,20 @@ def _lookup(obj: Any, where: str) -> Any:
 
 
 def _copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    """Copy a file into a folder being built (``files.building`` makes the folder appear whole)."""
+    shutil.copyfile(src, dst)
 
 
 def save_weights(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write our state dict as the run's ``model.safetensors`` (tied embeddings stored once)."""
+    """Write our state dict as the run's ``model.safetensors`` (tied embeddings stored once), into a
+    folder being built by ``files.building`` (which makes the whole folder appear at once)."""
     with torch.device("meta"):  # no random init of a possibly large model
         model = build_model(cfg)
     model.load_state_dict({**state, "lm_head.weight": state.get("lm_head.weight", state["embed.weight"])},
                           strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    tmp = path.with_name(path.name + ".tmp")
-    save_model(model, str(tmp))
-    os.replace(tmp, path)
+    save_model(model, str(path))
 
 
 def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
