@@ -30,8 +30,7 @@ def token_ids(run_cfg: dict[str, Any], tok) -> dict[str, Any]:
     model = run_cfg.get("model") or {}
     stored = (model.get("extra") or {}).get("token_ids")
     if stored is None:
-        stored = ((run_cfg.get("source") or {}).get("hf_config")) if "hf_config" in (run_cfg.get("source") or {}) \
-            else None
+        stored = (run_cfg.get("source") or {}).get("hf_config")
     if stored is not None:
         return {k: stored.get(k) for k in TOKEN_FIELDS}
     return {"bos_token_id": None, "eos_token_id": tok.token_to_id(EOT), "pad_token_id": tok.token_to_id(PAD)}
