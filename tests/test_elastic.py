@@ -331,3 +331,37 @@ def test_converted_runs_become_elastic(tmp_path, capsys):
     # a ratio set whose range leaves out the converted run's design R is refused
     assert main(["convert", str(moe), "--out", str(tmp_path / "bad"), "--ratios", "3,4"]) == 2
     assert "design ratio must lie in the trained range" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_export_hf_concept_ratio_default(elastic_run, tmp_path, capsys):
+    """``export-hf --concept-ratio R`` writes the default R the exported model runs at; R outside the
+    trained range is refused with one line and nothing written."""
+    tr = pytest.importorskip("transformers")
+    from conceptmoe.cli import main
+    from conceptmoe.training.checkpoint import load_run
+
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(elastic_run), "--out", str(out), "--concept-ratio", "6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: R=6 is outside the trained range") and err.count("\n") == 1 and not out.exists()
+    assert main(["export-hf", str(elastic_run), "--out", str(out), "--concept-ratio", "3"]) == 0
+    assert json.loads((out / "config.json").read_text())["concept_ratio"] == 3.0
+    hf = tr.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    m = load_run(elastic_run, "cpu")[0].eval()
+    ids = torch.tensor([list(range(40, 60))])
+    with torch.no_grad():
+        got = hf(ids, use_cache=False).logits
+    assert torch.allclose(got, m(ids, ratio=3.0).logits, atol=1e-5)
+    assert not torch.allclose(got, m(ids).logits, atol=1e-4)  # not the design ratio
+
+
+def test_export_hf_concept_ratio_needs_an_elastic_run(tmp_path, capsys):
+    from conceptmoe.cli import main
+
+    corpus = make_corpus(tmp_path / "c", n_docs=3, chars=3000)
+    run = train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "fixed"), max_steps=1, eval_every=0,
+                            val_tokens=200, dtype="fp32"))
+    assert main(["export-hf", str(run), "--out", str(tmp_path / "hf"), "--concept-ratio", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "elastic ConceptMoE runs only" in err and err.count("\n") == 1 and not (tmp_path / "hf").exists()

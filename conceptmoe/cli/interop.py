@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", choices=tuple(ARCHS),
                    help="target family (default: the one the run was imported from, else by QK-norm: "
                         "full -> olmoe, head -> qwen3_moe, none -> qwen2_moe)")
+    p.add_argument("--concept-ratio", type=float, metavar="R",
+                   help="an elastic ConceptMoE: the default R written to the config's concept_ratio "
+                        "(inside the trained range; default: the design ratio)")
     p.add_argument("--force", action="store_true", help="replace what is already in --out")
     p.set_defaults(func=cmd_export)
 
@@ -43,6 +46,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = export_hf(args.run, args.out, arch=args.arch, force=args.force)
+    out = export_hf(args.run, args.out, arch=args.arch, force=args.force, concept_ratio=args.concept_ratio)
     print(f"exported {args.run} -> {out}")
     return 0

@@ -52,7 +52,8 @@ def _transformers():
     return transformers
 
 
-def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> Path:
+def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
+                      concept_ratio: float | None = None) -> Path:
     """Write the run as a transformers model directory (see the module docstring); returns it."""
     from .hf_model import ConceptMoEConfig, ConceptMoEForCausalLM
 
@@ -72,7 +73,8 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False) -> 
         pad = eos[0] if eos else prefix_id(ids, tok)
     config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad, bos_token_id=ids["bos_token_id"],
                               eos_token_id=ids["eos_token_id"], prefix_token_id=prefix_id(ids, tok),
-                              max_position_embeddings=max_length(run_cfg), architectures=["ConceptMoEForCausalLM"])
+                              max_position_embeddings=max_length(run_cfg), architectures=["ConceptMoEForCausalLM"],
+                              concept_ratio=concept_ratio)
     config.auto_map = dict(AUTO_MAP)
     with torch.device("meta"):  # no random init: the run's own module goes in
         hf = ConceptMoEForCausalLM(config)
