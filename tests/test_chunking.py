@@ -95,3 +95,23 @@ def test_gather_concepts_ragged_and_mean_pooling():
     # concept j = mean over tokens (b_{j-1}, b_j]
     assert m.concepts[0, :, 0].tolist() == [0, 1.5, 4.0]
     assert m.concepts[1, :2, 0].tolist() == [6, 7]
+
+
+def test_sharpness_schedule_is_linear_from_start_to_final():
+    from conceptmoe.model.chunking import sharpness_at
+    from conceptmoe.model.config import ModelConfig
+
+    const = ModelConfig.from_preset("tiny", boundary_sharpness=3.0)
+    assert [sharpness_at(const, s, 5) for s in range(5)] == [3.0] * 5
+    from conceptmoe.model.config import parse_overrides
+
+    assert parse_overrides(["boundary_sharpness_final=9", "router_temperature=learned"]) == \
+        {"boundary_sharpness_final": 9.0, "router_temperature": "learned"}
+    assert parse_overrides(["boundary_sharpness_final=none"]) == {"boundary_sharpness_final": None}
+    cfg = const.replace(boundary_sharpness=1.0, boundary_sharpness_final=9.0)
+    assert [sharpness_at(cfg, s, 5) for s in range(5)] == [1.0, 3.0, 5.0, 7.0, 9.0]
+    # At a very large final sharpness the training samples are the eval decision p >= 0.5.
+    p = torch.rand(4, 50)
+    hard = cfg.replace(boundary_sharpness_final=1e6)
+    b = boundaries(p, True, True, sharpness_at(hard, 99, 100), torch.rand(4, 50))
+    assert torch.equal(b[:, 1:], (p >= 0.5)[:, 1:])

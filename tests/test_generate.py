@@ -160,3 +160,13 @@ def test_kv_cache_grows_in_blocks():
     assert cache.capacity == 12 and len(buffers) == 3  # 4 -> 8 -> 12: two regrowths in 10 steps
     assert cache.k[0][1, 0, :10, 0].tolist() == [float(i) for i in range(10)]
     assert cache.bytes_used() == 2 * 10 * 2 * 2 * 4
+
+
+def test_learned_router_temperature_cached_steps_match_full_forward():
+    """The learned inverse temperature (router_temperature="learned") acts in the cached step as in the
+    full pass: exp(a) = 2.7 here, so a step that skipped it would decide other boundaries."""
+    model = _model(router_temperature="learned")
+    with torch.no_grad():
+        model.chunk.log_scale.fill_(1.0)
+    state, stepping, patterns = _decode_and_compare(model)
+    assert len(set(patterns)) == len(LENS) and any(0 < n < len(LENS) for n in stepping)

@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conceptmoe.cli import main

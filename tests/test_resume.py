@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 from safetensors.torch import load_file
 
 from conceptmoe.training import checkpoint as ck

@@ -100,3 +100,27 @@ def test_confidence_term_adds_4p1mp_and_pushes_p_from_the_threshold():
         for p in params:
             p -= 0.05 * p.grad
     assert (conf(x).chunks.p[:, 1:] - 0.5).abs().mean().item() > spread
+
+
+def test_learned_temperature_scales_the_logit_of_p_in_forward_and_step():
+    """router_temperature="learned": p = sigmoid(exp(a) · logit(p_cos)); a = 0 is the paper's p."""
+    router = _random_router(5)
+    hot = ChunkRouter(D, "cosine", temperature="learned")
+    hot.load_state_dict({**router.state_dict(), "log_scale": torch.tensor(0.0)})
+    h = torch.randn(2, 14, D)
+    torch.testing.assert_close(hot(h), router(h), atol=1e-6, rtol=0)  # a = 0: unchanged
+    with torch.no_grad():
+        hot.log_scale.fill_(0.8)
+    base = router(h).double().clamp(1e-6, 1 - 1e-6)
+    want = torch.sigmoid(torch.logit(base) * torch.tensor(0.8).exp()).float()
+    want[:, 0] = 1
+    p = hot(h)
+    torch.testing.assert_close(p, want, atol=1e-6, rtol=0)
+    assert (p[:, 1:] - 0.5).abs().mean() > (router(h)[:, 1:] - 0.5).abs().mean()  # further from 0.5
+    assert torch.equal(p >= 0.5, router(h) >= 0.5)  # the same decisions
+    key = None
+    for t in range(h.shape[1]):
+        q, key = hot.step(h[:, t], key, torch.full((2,), t))
+        torch.testing.assert_close(q, p[:, t], atol=1e-6, rtol=0)
+    p.sum().backward()
+    assert hot.log_scale.grad is not None and hot.log_scale.grad != 0

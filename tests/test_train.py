@@ -146,3 +146,26 @@ def test_cli_default_is_the_compute_matched_conceptmoe():
     unmatched = parse("--strategy", "none")
     assert unmatched.strategy is None and model_config(unmatched).name == "ConceptMoE-1L-top4-R2"
     assert parse("--ratio", "1.5").strategy == "topk"
+
+
+def test_trainer_anneals_the_boundary_sharpness(corpus, tmp_path, monkeypatch):
+    """boundary_sharpness_final: each training step samples its boundaries at sharpness_at(step);
+    validation still decides p >= 0.5; without it every step uses boundary_sharpness."""
+    import conceptmoe.model.lm as lm
+
+    seen, real = [], lm.boundaries
+
+    def spy(p, training, noise, sharpness, uniforms=None):
+        if training:
+            seen.append(sharpness)
+        return real(p, training, noise, sharpness, uniforms)
+
+    monkeypatch.setattr(lm, "boundaries", spy)
+    train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "anneal"), max_steps=5, eval_every=0,
+                      val_tokens=200, dtype="fp32", overrides={"boundary_sharpness": 1.0,
+                                                               "boundary_sharpness_final": 9.0}))
+    assert seen == [1.0, 3.0, 5.0, 7.0, 9.0]
+    seen.clear()
+    train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "const"), max_steps=3, eval_every=0,
+                      val_tokens=200, dtype="fp32", overrides={"boundary_sharpness": 2.0}))
+    assert seen == [2.0] * 3

@@ -114,7 +114,7 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
 
 
 def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None):
-    cfg, (B, T, D) = model.cfg, x.shape
+    cfg, (B, T, _) = model.cfg, x.shape
     n_enc, n_con = len(model.encoder), len(model.concept)
     tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
     for i, blk in enumerate(model.encoder):

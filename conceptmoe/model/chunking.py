@@ -54,7 +54,7 @@ def _fp32_linear(lin: nn.Linear, h: torch.Tensor) -> torch.Tensor:
 class ChunkRouter(nn.Module):
     """Boundary probabilities from encoder states. ``step`` is the one-token cached form."""
 
-    def __init__(self, d: int, kind: str = "cosine", ratio: float = 2.0) -> None:
+    def __init__(self, d: int, kind: str = "cosine", ratio: float = 2.0, temperature: str = "none") -> None:
         super().__init__()
         self.kind, self.ratio = kind, ratio
         if kind == "cosine":
@@ -63,6 +63,8 @@ class ChunkRouter(nn.Module):
             # Identity start: p_t begins as the plain cosine distance of neighbouring states.
             nn.init.eye_(self.wq.weight)
             nn.init.eye_(self.wk.weight)
+            # A learned inverse temperature exp(a) on the logit of p (a = 0: the paper's p).
+            self.log_scale = nn.Parameter(torch.zeros(())) if temperature == "learned" else None
         elif kind == "linear":
             # The score reads the RMS-normalised state, so its spread does not depend on the
             # residual stream's scale: w ~ N(0, s²/d) gives scores ~ N(c, s²) across tokens, and
@@ -83,7 +85,7 @@ class ChunkRouter(nn.Module):
         if self.kind == "cosine":
             q, k = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)
             k_prev = torch.cat([k[:, :1], k[:, :-1]], dim=1)  # position 0 is overwritten below
-            p = self._cosine_p(q, k_prev)
+            p = self._temper(self._cosine_p(q, k_prev))
         elif self.kind == "linear":
             p = self._linear(h)
         else:
@@ -100,7 +102,7 @@ class ChunkRouter(nn.Module):
             q, key = _fp32_linear(self.wq, h), _fp32_linear(self.wk, h)
             if last_key is None:
                 last_key = key  # only reached at position 0, where p is overwritten below
-            p = self._cosine_p(q, last_key)
+            p = self._temper(self._cosine_p(q, last_key))
         elif self.kind == "linear":
             p = self._linear(h)
         else:
@@ -108,6 +110,15 @@ class ChunkRouter(nn.Module):
         if shift is not None:
             p = shift_p(p, shift)
         return torch.where(pos == 0, torch.ones_like(p), p), key
+
+    def _temper(self, p: torch.Tensor) -> torch.Tensor:
+        """sigmoid(exp(a) · logit(p)) with the learned scalar a (``router_temperature="learned"``):
+        exp(a) > 1 pushes p away from 0.5, < 1 towards it; the decision p >= 0.5 is unchanged."""
+        if getattr(self, "log_scale", None) is None:
+            return p
+        with torch.autocast(p.device.type, enabled=False):  # fp32 island
+            q = p.float().clamp(1e-6, 1 - 1e-6)
+            return torch.sigmoid((torch.log(q) - torch.log1p(-q)) * self.log_scale.float().exp())
 
     @staticmethod
     def _cosine_p(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -137,6 +148,15 @@ def shift_p(p: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
     """True where floor(t / R) changes: every R-th token (fractional R allowed), t = 0 included."""
     return (pos == 0) | (torch.floor(pos / ratio) != torch.floor((pos - 1) / ratio))
+
+
+def sharpness_at(cfg, step: int, total: int) -> float:
+    """The training-time boundary sharpness at optimizer step ``step`` of ``total``: constant
+    ``boundary_sharpness``, or annealed linearly to ``boundary_sharpness_final`` at the last step."""
+    s0, s1 = cfg.boundary_sharpness, getattr(cfg, "boundary_sharpness_final", None)
+    if s1 is None or total <= 1:
+        return s0 if s1 is None else s1
+    return s0 + (s1 - s0) * min(max(step, 0), total - 1) / (total - 1)
 
 
 def sharpen(p: torch.Tensor, s: float) -> torch.Tensor:

@@ -28,9 +28,11 @@ DECHUNK_SOURCES = ("output", "update")
 # reuse) and the JSON of every config that does not use them stays byte-identical.
 LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
                  "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none",
-                 "elastic_ratios": None, "ratio_embedding": "router"}
+                 "elastic_ratios": None, "ratio_embedding": "router", "boundary_sharpness_final": None,
+                 "router_temperature": "none"}
 QK_NORMS = ("none", "head", "full")
 RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
+ROUTER_TEMPERATURES = ("none", "learned")  # model/chunking.py
 ATTN_BIASES = ("none", "qkv", "qkvo")
 
 
@@ -70,6 +72,12 @@ class ModelConfig:
     chunk_router: str = "cosine"  # "cosine" (paper), "linear" or "fixed" (ablations)
     boundary_noise: bool = True  # Bernoulli(sharpen(p)) boundaries while training
     boundary_sharpness: float = 6.0
+    # Anneal the training-time sharpness linearly from boundary_sharpness (step 0) to this at the
+    # last step (None: constant): boundary samples move towards the hard eval decision p >= 0.5.
+    boundary_sharpness_final: float | None = None
+    # "learned": the cosine router's p becomes sigmoid(exp(a) · logit(p)) with a learned scalar a
+    # (starting at 0, the paper's router): a learned inverse temperature (model/chunking.py).
+    router_temperature: str = "none"
     ratio_loss_weight: float = 0.03
     # Weight of a confidence term, mean of 4·p·(1 - p) over positions after the first: 1 at
     # p = 0.5, 0 at p in {0, 1}, so it pushes the router away from the threshold (0: off).
@@ -148,6 +156,12 @@ class ModelConfig:
             bad("joint_layers", f"must be None or an integer in [0, n_decoder_layers={self.n_decoder_layers}]")
         if self.boundary_sharpness < 1:
             bad("boundary_sharpness", "must be >= 1")
+        if self.boundary_sharpness_final is not None and not self.boundary_sharpness_final >= 1:
+            bad("boundary_sharpness_final", "must be None or >= 1")
+        if self.router_temperature not in ROUTER_TEMPERATURES:
+            bad("router_temperature", f"must be one of {ROUTER_TEMPERATURES}")
+        if self.router_temperature == "learned" and self.chunk_router != "cosine":
+            bad("router_temperature", "a learned temperature needs chunk_router='cosine'")
         if self.n_encoder_layers < 1 or self.n_decoder_layers < 1:
             bad("n_encoder_layers", "encoder and decoder need at least one layer each")
         if self.n_concept_layers < 1:
@@ -342,7 +356,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 
 
 NULLABLE = ("concept_n_experts", "concept_top_k", "joint_layers")  # int or None
-FLOAT_NULLABLE = ("image_compression_ratio",)  # float or None
+FLOAT_NULLABLE = ("image_compression_ratio", "boundary_sharpness_final")  # float or None
 
 
 def _coerce(key: str, raw: str, default: Any) -> Any:

@@ -187,7 +187,10 @@ class ConceptMoELM(LanguageModel):
         super().__init__(cfg)
         self.encoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k)
                                      for _ in range(cfg.n_encoder_layers))
-        self.chunk = ChunkRouter(cfg.d_model, cfg.chunk_router, cfg.compression_ratio)
+        self.chunk = ChunkRouter(cfg.d_model, cfg.chunk_router, cfg.compression_ratio, cfg.router_temperature)
+        # The training-time boundary sharpness now (the trainer sets it when it is annealed,
+        # chunking.sharpness_at); None: cfg.boundary_sharpness.
+        self.sharpness_now: float | None = None
         # Elastic models (cfg.elastic_ratios) are told each row's R (model/elastic.py).
         self.ratio_embed = RatioEmbedding(cfg.elastic_ratios, cfg.d_model, cfg.ratio_embedding,
                                           cfg.compression_ratio) if cfg.elastic_ratios else None
@@ -255,7 +258,8 @@ class ConceptMoELM(LanguageModel):
             b = boundaries_override.to(torch.bool).clone()
             b[:, 0] = True
         else:
-            b = boundaries(p, self.training, cfg.boundary_noise, cfg.boundary_sharpness, boundary_noise)
+            sharp = cfg.boundary_sharpness if self.sharpness_now is None else self.sharpness_now
+            b = boundaries(p, self.training, cfg.boundary_noise, sharp, boundary_noise)
         ch = gather_concepts(h, p, b, cfg.concept_pooling)
         c_in = self.concept_input(ch.concepts, ch.mask, terms)
         c, aux_c = self.run_concepts(c_in, ch.mask)  # (B, C, D)

@@ -30,7 +30,8 @@ DEFAULT_STRATEGY = "topk"  # what `conceptmoe train` matches a ConceptMoE by whe
 MAX_RATIO = 64  # tokens per concept; the paper uses 1.5-4
 MAX_SEED = 2**32 - 1  # seeds are mixed with step counts into 64-bit generator seeds (loop.py, corpus.py)
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
-CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "ratio_loss_weight", "router_confidence_weight",
+CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "boundary_sharpness_final",
+                "router_temperature", "ratio_loss_weight", "router_confidence_weight",
                 "concept_pooling", "joint_decoding", "elastic_ratios", "ratio_embedding")
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
