@@ -49,8 +49,9 @@ def collect(rows: list[dict]) -> dict:
             if all(key in r for r in rs):
                 scale = 1e-6 if key == "activated_flops_per_token" else 1.0
                 cell[out], cell[out + "_sd"] = _ms([r[key] * scale for r in rs])
-        fixed = by.get((f"fixed-R{R:g}", R))
-        if kind.startswith("elastic") and fixed:  # paired by seed: the same batches in the same order
+        prefix = kind[:kind.index("elastic")] if "elastic" in kind else ""  # e.g. "anneal-": its own specialists
+        fixed = by.get((f"{prefix}fixed-R{R:g}", R))
+        if "elastic" in kind and fixed:  # paired by seed: the same batches in the same order
             gaps = [seeds[s]["val_bpb"] - fixed[s]["val_bpb"] for s in sorted(seeds) if s in fixed]
             if gaps:
                 cell["gap_vs_fixed"], cell["gap_vs_fixed_sd"] = _ms(gaps)
@@ -68,7 +69,13 @@ def table(summary: dict) -> str:
              "MFLOPs/token | decode ms/token | concept-KV B/token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     order = {"moe": 0, "fixed": 1, "elastic-router": 2, "elastic-shift": 3}
-    cells = sorted(summary["cells"], key=lambda c: (c["ratio"], order.get(c["kind"].split("-R")[0], 9), c["kind"]))
+
+    def key(c: dict) -> tuple:
+        prefix, _, rest = c["kind"].rpartition("elastic") if "elastic" in c["kind"] else c["kind"].rpartition("fixed")
+        base = ("elastic" + rest) if "elastic" in c["kind"] else ("fixed" if "fixed" in c["kind"] else c["kind"])
+        return (c["ratio"], prefix, order.get(base, 9), c["kind"])
+
+    cells = sorted(summary["cells"], key=key)
     for c in cells:
         gap = ""
         if "gap_vs_fixed" in c:
@@ -95,9 +102,11 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.2), squeeze=False)
     groups = defaultdict(list)
     for c in summary["cells"]:
-        groups["fixed-R specialists" if c["kind"].startswith("fixed") else c["kind"]].append(c)
+        fixed = "fixed-R" in c["kind"]
+        groups[c["kind"].split("fixed-R")[0] + "fixed-R specialists" if fixed else c["kind"]].append(c)
     style = {"moe": ("k", "s"), "fixed-R specialists": ("tab:blue", "o"), "elastic-router": ("tab:red", "^"),
-             "elastic-shift": ("tab:gray", "v")}
+             "elastic-shift": ("tab:gray", "v"), "anneal-fixed-R specialists": ("tab:cyan", "o"),
+             "anneal-elastic-router": ("tab:orange", "^")}
     for ax, (key, label) in zip(axes[0], xs):
         for g, cs in sorted(groups.items()):
             cs = sorted(cs, key=lambda c: c["ratio"])
@@ -106,13 +115,14 @@ def plot(summary: dict, path: Path) -> None:
                         color=color, marker=marker, label=g, capsize=3, linestyle="-" if len(cs) > 1 else "none")
             for c in cs:
                 if c["kind"] != "moe":
-                    ax.annotate(f"R={c['ratio']:g}", (c[key], c["val_bpb"]), fontsize=7, xytext=(3, 3),
+                    ax.annotate(f"{c['ratio']:g}→{c['compression']:.1f}", (c[key], c["val_bpb"]), fontsize=7, xytext=(3, 3),
                                 textcoords="offset points")
         ax.set_xlabel(label)
         ax.set_ylabel("val BPB (mean over seeds)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("one elastic ConceptMoE vs fixed-R specialists (small preset)", fontsize=10)
+    fig.suptitle("one elastic ConceptMoE vs fixed-R specialists (small preset; labels: requested R → realised R)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
