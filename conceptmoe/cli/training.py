@@ -21,7 +21,8 @@ from ..evaluation.boundaries import find_boundaries, render_html, render_termina
 from ..evaluation.compare import CompareConfig, compare, load_variants
 from ..training.config import DEFAULT_STRATEGY, TrainConfig, resolve_train_config
 from ..data.corpus import read_text_file
-from ..evaluation.evaluate import evaluate
+from ..evaluation.evaluate import compression_warning, evaluate
+from ..training.checkpoint import read_run_config
 from ..training.train import train
 from .args import finite_float, seed
 from .frontier import add_ratio_flags
@@ -130,6 +131,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"val_loss {ev['val_loss']:.4f}  val_bpb {ev['val_bpb']:.4f}  "
           f"compression {ev['compression']:.2f}  tokens {ev['tokens']}")
     mc = json.loads((out / "config.json").read_text()).get("model", {})
+    if mc.get("kind") == "conceptmoe":
+        _warn_compression(ev["compression"], mc["compression_ratio"], mc.get("chunk_router", "cosine"))
     if mc.get("elastic_ratios"):  # the figures above are at the design ratio
         rs = mc["elastic_ratios"]
         print(f"elastic: choose R in [{rs[0]:g}, {rs[-1]:g}] with --ratio (eval, generate, boundaries, bench latency); "
@@ -188,7 +191,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         asked = f" (requested R {res['ratio']:g})" if "ratio" in res else ""
         print(f"val_loss {res['val_loss']:.4f}  val_bpb {res['val_bpb']:.4f}  "
               f"compression {res['compression']:.2f}{asked}  tokens {res['tokens']}")
+    mc = read_run_config(args.run).get("model", {})
+    if mc.get("kind") == "conceptmoe":
+        _warn_compression(res["compression"], res.get("ratio") or mc["compression_ratio"], mc.get("chunk_router", "cosine"))
     return 0
+
+
+def _warn_compression(realised: float, target: float, router: str) -> None:
+    why = compression_warning(realised, target, router)
+    if why:
+        print(why, file=sys.stderr)
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
@@ -199,7 +211,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         raise UserError("--limit applies to --tasks")
     if args.ratio is not None:  # an elastic run at R (the harness model's concept_ratio)
         from ..model.elastic import require_ratio
-        from ..training.checkpoint import model_config_of, read_run_config
+        from ..training.checkpoint import model_config_of
 
         require_ratio(model_config_of(read_run_config(args.run)), args.ratio, args.extrapolate)
     if args.data is not None or args.val_tokens is not None:
