@@ -1,6 +1,6 @@
 """Summarise the elastic-ratio study (docs/study-elastic/README.md) from `conceptmoe frontier --json`.
 
-    python docs/study-elastic/summarize.py runs/study21/frontier.json
+    python docs/study-elastic/summarize.py runs/study21/frontier.json [runs/study21/frontier-anneal.json ...]
 
 Run directories are named KIND-sSEED (elastic-router-s0, fixed-R2-s1, moe-s0, ...). Writes, next to
 this script: summary.json (per kind and R: mean and sd over seeds of val BPB, realised compression,
@@ -128,11 +128,10 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if not argv:
         print(__doc__)
         return 2
-    src = Path(argv[0])
-    rows = json.loads(src.read_text())
+    rows = [r for a in argv for r in json.loads(Path(a).read_text())]
     summary = collect(rows)
     (HERE / "frontier.json").write_text(json.dumps(rows, indent=1) + "\n")
     (HERE / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
