@@ -121,6 +121,17 @@ MUTANTS = [
     Mutant("elastic-concept-vector-carried", LM, "            z_tok, z_res = dechunk(ch, c - (c_in - ch.concepts))",
            "            z_tok, z_res = dechunk(ch, c)", ("tests/test_elastic.py",),
            "the ratio's concept vector carried past the concept model into the token stream"),
+    # --- issue 22: decisive-router options ---
+    Mutant("anneal-never-applied", "conceptmoe/training/loop.py",
+           "                lp.raw.sharpness_now = sharpness_at(cfg, step, total)",
+           "                lp.raw.sharpness_now = None", ("tests/test_train.py",),
+           "the trainer never sets the annealed sharpness (boundary_sharpness_final ignored)"),
+    Mutant("temperature-skipped-in-step", CHUNK, "            p = self._temper(self._cosine_p(q, last_key))",
+           "            p = self._cosine_p(q, last_key)", ("tests/test_router_paths.py", "tests/test_generate.py"),
+           "the cached router step ignores the learned temperature"),
+    Mutant("compression-warning-sign", "conceptmoe/evaluation/evaluate.py", "    if abs(off) <= COMPRESSION_TOLERANCE:",
+           "    if off <= COMPRESSION_TOLERANCE:", ("tests/test_compression_warning.py",),
+           "too few concepts (compression below R) never warned"),
 ]
 
 
