@@ -99,12 +99,10 @@ def test_gather_concepts_ragged_and_mean_pooling():
 
 def test_sharpness_schedule_is_linear_from_start_to_final():
     from conceptmoe.model.chunking import sharpness_at
-    from conceptmoe.model.config import ModelConfig
+    from conceptmoe.model.config import ModelConfig, parse_overrides
 
     const = ModelConfig.from_preset("tiny", boundary_sharpness=3.0)
     assert [sharpness_at(const, s, 5) for s in range(5)] == [3.0] * 5
-    from conceptmoe.model.config import parse_overrides
-
     assert parse_overrides(["boundary_sharpness_final=9", "router_temperature=learned"]) == \
         {"boundary_sharpness_final": 9.0, "router_temperature": "learned"}
     assert parse_overrides(["boundary_sharpness_final=none"]) == {"boundary_sharpness_final": None}

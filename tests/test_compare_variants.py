@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conceptmoe.errors import UserError
-from conceptmoe.evaluation.compare import (CompareConfig, _decisiveness, _train_seconds, compare, load_variants,
+from conceptmoe.evaluation.compare import (CompareConfig, decisiveness, _train_seconds, compare, load_variants,
                                          plan)
 from conceptmoe.training.validation import P_BINS, evaluate_tokens
 from conceptmoe.training.train import model_config
@@ -92,6 +92,6 @@ def test_p_histogram_counts_every_position_but_the_first():
     assert sum(res["p_histogram"]) == 200 + n_windows - 1 - n_windows
     moe = build_model(ModelConfig.from_preset("tiny", kind="moe"))
     assert "p_histogram" not in evaluate_tokens(moe, ids, torch.ones(cfg.vocab_size).long().numpy(), seq_len=32)
-    d = _decisiveness([1, 0, 0, 0, 0, 0, 0, 0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4])
+    d = decisiveness([1, 0, 0, 0, 0, 0, 0, 0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4])
     assert d["p_near_half"] == pytest.approx(5 / 10) and d["p_decisive"] == pytest.approx(5 / 10)
     assert d["p_above_half"] == pytest.approx(4 / 10)  # bins 10-19

@@ -131,8 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"val_loss {ev['val_loss']:.4f}  val_bpb {ev['val_bpb']:.4f}  "
           f"compression {ev['compression']:.2f}  tokens {ev['tokens']}")
     mc = json.loads((out / "config.json").read_text()).get("model", {})
-    if mc.get("kind") == "conceptmoe":
-        _warn_compression(ev["compression"], mc["compression_ratio"], mc.get("chunk_router", "cosine"))
+    _warn_compression(mc, ev["compression"])
     if mc.get("elastic_ratios"):  # the figures above are at the design ratio
         rs = mc["elastic_ratios"]
         print(f"elastic: choose R in [{rs[0]:g}, {rs[-1]:g}] with --ratio (eval, generate, boundaries, bench latency); "
@@ -191,14 +190,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         asked = f" (requested R {res['ratio']:g})" if "ratio" in res else ""
         print(f"val_loss {res['val_loss']:.4f}  val_bpb {res['val_bpb']:.4f}  "
               f"compression {res['compression']:.2f}{asked}  tokens {res['tokens']}")
-    mc = read_run_config(args.run).get("model", {})
-    if mc.get("kind") == "conceptmoe":
-        _warn_compression(res["compression"], res.get("ratio") or mc["compression_ratio"], mc.get("chunk_router", "cosine"))
+    _warn_compression(read_run_config(args.run).get("model", {}), res["compression"], res.get("ratio"))
     return 0
 
 
-def _warn_compression(realised: float, target: float, router: str) -> None:
-    why = compression_warning(realised, target, router)
+def _warn_compression(mc: dict, realised: float, ratio: float | None = None) -> None:
+    """A ConceptMoE run's held-out compression far from R (``ratio``, else its design R): one stderr line."""
+    if mc.get("kind") != "conceptmoe":
+        return
+    why = compression_warning(realised, ratio or mc["compression_ratio"], mc.get("chunk_router", "cosine"))
     if why:
         print(why, file=sys.stderr)
 

@@ -293,7 +293,7 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
                      "train_tokens_per_s": tps, "curve": curve, "curve_seconds": curve_time,
                      "seeds": cc.seeds_for(label), "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
                      "epochs": data["epochs"],
-                     **(_decisiveness(p_hist) if p_hist else {})})
+                     **(decisiveness(p_hist) if p_hist else {})})
     return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "data": datas[0], "models": rows,  # the baseline's
             "verdict": verdict(rows)}
 
@@ -311,7 +311,7 @@ def _p_histogram(run: Path, ev: dict[str, Any]) -> list[int]:
     return evaluate(run, max_tokens=HIST_TOKENS)["p_histogram"]
 
 
-def _decisiveness(hist: list[int]) -> dict[str, Any]:
+def decisiveness(hist: list[int]) -> dict[str, Any]:
     """How far the router's p stays from the 0.5 threshold (bins of width 1/len(hist))."""
     n, k = sum(hist), len(hist)
     share = lambda lo, hi: sum(c for i, c in enumerate(hist) if lo <= i / k and (i + 1) / k <= hi) / max(n, 1)

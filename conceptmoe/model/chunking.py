@@ -57,6 +57,7 @@ class ChunkRouter(nn.Module):
     def __init__(self, d: int, kind: str = "cosine", ratio: float = 2.0, temperature: str = "none") -> None:
         super().__init__()
         self.kind, self.ratio = kind, ratio
+        self.log_scale: nn.Parameter | None = None
         if kind == "cosine":
             self.wq = nn.Linear(d, d, bias=False)
             self.wk = nn.Linear(d, d, bias=False)
@@ -64,7 +65,8 @@ class ChunkRouter(nn.Module):
             nn.init.eye_(self.wq.weight)
             nn.init.eye_(self.wk.weight)
             # A learned inverse temperature exp(a) on the logit of p (a = 0: the paper's p).
-            self.log_scale = nn.Parameter(torch.zeros(())) if temperature == "learned" else None
+            if temperature == "learned":
+                self.log_scale = nn.Parameter(torch.zeros(()))
         elif kind == "linear":
             # The score reads the RMS-normalised state, so its spread does not depend on the
             # residual stream's scale: w ~ N(0, s²/d) gives scores ~ N(c, s²) across tokens, and
@@ -114,11 +116,10 @@ class ChunkRouter(nn.Module):
     def _temper(self, p: torch.Tensor) -> torch.Tensor:
         """sigmoid(exp(a) · logit(p)) with the learned scalar a (``router_temperature="learned"``):
         exp(a) > 1 pushes p away from 0.5, < 1 towards it; the decision p >= 0.5 is unchanged."""
-        if getattr(self, "log_scale", None) is None:
+        if self.log_scale is None:
             return p
         with torch.autocast(p.device.type, enabled=False):  # fp32 island
-            q = p.float().clamp(1e-6, 1 - 1e-6)
-            return torch.sigmoid((torch.log(q) - torch.log1p(-q)) * self.log_scale.float().exp())
+            return torch.sigmoid(_logit(p) * self.log_scale.float().exp())
 
     @staticmethod
     def _cosine_p(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -141,8 +142,13 @@ class ChunkRouter(nn.Module):
 def shift_p(p: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """sigmoid(logit(p) + shift) in fp32: the elastic ratio's threshold shift (``elastic.py``)."""
     with torch.autocast(p.device.type, enabled=False):
-        q = p.float().clamp(1e-6, 1 - 1e-6)
-        return torch.sigmoid(torch.log(q) - torch.log1p(-q) + shift.float())
+        return torch.sigmoid(_logit(p) + shift.float())
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) in fp32, p clamped to [1e-6, 1 - 1e-6] (p = 0 or 1 stays finite)."""
+    q = p.float().clamp(1e-6, 1 - 1e-6)
+    return torch.log(q) - torch.log1p(-q)
 
 
 def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -153,7 +159,7 @@ def fixed_boundaries(pos: torch.Tensor, ratio: float) -> torch.Tensor:
 def sharpness_at(cfg, step: int, total: int) -> float:
     """The training-time boundary sharpness at optimizer step ``step`` of ``total``: constant
     ``boundary_sharpness``, or annealed linearly to ``boundary_sharpness_final`` at the last step."""
-    s0, s1 = cfg.boundary_sharpness, getattr(cfg, "boundary_sharpness_final", None)
+    s0, s1 = cfg.boundary_sharpness, cfg.boundary_sharpness_final
     if s1 is None or total <= 1:
         return s0 if s1 is None else s1
     return s0 + (s1 - s0) * min(max(step, 0), total - 1) / (total - 1)

@@ -204,7 +204,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             batch = as_batch(lp.sampler.next())  # the global batch (the model shifts the labels)
             x = batch["input_ids"]
             u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
-            if getattr(cfg, "boundary_sharpness_final", None) is not None:  # annealed boundary samples
+            if cfg.is_concept and cfg.boundary_sharpness_final is not None:  # annealed boundary samples
                 lp.raw.sharpness_now = sharpness_at(cfg, step, total)
             if elastic:  # each sequence's target R, sliced with the rows (training/elastic.py)
                 batch = {**batch, "ratio": sample_ratios(tc.seed, step * x.shape[0], x.shape[0], elastic)}

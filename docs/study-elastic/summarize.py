@@ -28,6 +28,16 @@ def _kind_seed(run: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+def _parts(kind: str) -> tuple[str, str]:
+    """KIND -> (prefix, base): "anneal-fixed-R2" -> ("anneal-", "fixed"), "elastic-router" ->
+    ("", "elastic-router"), "moe" -> ("", "moe"); a prefix names a setting whose runs pair up."""
+    m = re.fullmatch(r"(.*?)(moe|fixed-R[0-9.]+|elastic-.+)", kind)
+    if not m:
+        raise SystemExit(f"error: run kind {kind} is not moe, fixed-R<R> or elastic-<embedding>")
+    base = "fixed" if m.group(2).startswith("fixed-R") else m.group(2)
+    return m.group(1), base
+
+
 def _ms(xs: list[float]) -> tuple[float, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
 
@@ -49,9 +59,9 @@ def collect(rows: list[dict]) -> dict:
             if all(key in r for r in rs):
                 scale = 1e-6 if key == "activated_flops_per_token" else 1.0
                 cell[out], cell[out + "_sd"] = _ms([r[key] * scale for r in rs])
-        prefix = kind[:kind.index("elastic")] if "elastic" in kind else ""  # e.g. "anneal-": its own specialists
+        prefix, base = _parts(kind)  # an elastic run pairs with the specialists of its own setting
         fixed = by.get((f"{prefix}fixed-R{R:g}", R))
-        if "elastic" in kind and fixed:  # paired by seed: the same batches in the same order
+        if base.startswith("elastic") and fixed:  # paired by seed: the same batches in the same order
             gaps = [seeds[s]["val_bpb"] - fixed[s]["val_bpb"] for s in sorted(seeds) if s in fixed]
             if gaps:
                 cell["gap_vs_fixed"], cell["gap_vs_fixed_sd"] = _ms(gaps)
@@ -69,12 +79,7 @@ def table(summary: dict) -> str:
              "MFLOPs/token | decode ms/token | concept-KV B/token |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     order = {"moe": 0, "fixed": 1, "elastic-router": 2, "elastic-shift": 3}
-
-    def key(c: dict) -> tuple:
-        prefix, _, rest = c["kind"].rpartition("elastic") if "elastic" in c["kind"] else c["kind"].rpartition("fixed")
-        base = ("elastic" + rest) if "elastic" in c["kind"] else ("fixed" if "fixed" in c["kind"] else c["kind"])
-        return (c["ratio"], prefix, order.get(base, 9), c["kind"])
-
+    key = lambda c: (c["ratio"], _parts(c["kind"])[0], order.get(_parts(c["kind"])[1], 9), c["kind"])  # noqa: E731
     cells = sorted(summary["cells"], key=key)
     for c in cells:
         gap = ""
@@ -102,8 +107,8 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.2), squeeze=False)
     groups = defaultdict(list)
     for c in summary["cells"]:
-        fixed = "fixed-R" in c["kind"]
-        groups[c["kind"].split("fixed-R")[0] + "fixed-R specialists" if fixed else c["kind"]].append(c)
+        prefix, base = _parts(c["kind"])
+        groups[prefix + "fixed-R specialists" if base == "fixed" else c["kind"]].append(c)
     style = {"moe": ("k", "s"), "fixed-R specialists": ("tab:blue", "o"), "elastic-router": ("tab:red", "^"),
              "elastic-shift": ("tab:gray", "v"), "anneal-fixed-R specialists": ("tab:cyan", "o"),
              "anneal-elastic-router": ("tab:orange", "^")}

@@ -19,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from conceptmoe.evaluation.compare import decisiveness
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -27,9 +29,8 @@ def _ms(xs: list[float]) -> tuple[float, float | None]:
 
 
 def _shares(hist: list[int]) -> dict[str, float]:
-    n, k = max(sum(hist), 1), len(hist)
-    share = lambda lo, hi: sum(c for i, c in enumerate(hist) if lo <= i / k and (i + 1) / k <= hi) / n
-    return {"decisive": share(0.0, 0.1) + share(0.9, 1.0), "near_half": share(0.4, 0.6)}
+    d = decisiveness(hist)
+    return {"decisive": d["p_decisive"], "near_half": d["p_near_half"]}
 
 
 def _temperature(run: Path) -> float | None:
