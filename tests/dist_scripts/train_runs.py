@@ -81,7 +81,9 @@ try:
             status = "STOPPED"
         except UserError as e:
             failed += 1
-            print(f"FAILED rank {d.rank} {kw['out']}: {e}", flush=True)
+            # one write with its newline: print's two writes let the other rank's line land in between
+            sys.stdout.write(f"FAILED rank {d.rank} {kw['out']}: {e}\n")
+            sys.stdout.flush()
             continue
         if getattr(ctl["model"], "expert_parallel", None) is not None:
             same = replicas(ctl["model"])
