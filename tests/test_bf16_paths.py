@@ -22,8 +22,9 @@ def test_padded_groups_keep_every_slot_in_order():
     order = flat.argsort(stable=True)
     tok, counts = order // K, torch.bincount(flat, minlength=E)
     ws = torch.rand(N * K, 1, generator=g)
-    tok_p, padded, ws_p = _pad_groups(tok, counts, flat[order], ws, N, multiple=16)
+    tok_p, padded, ws_p, dest = _pad_groups(tok, counts, flat[order], ws, N, multiple=16)
     assert bool((padded % 16 == 0).all()) and bool((padded >= counts).all()) and bool((padded - counts < 16).all())
+    assert torch.equal(tok_p[dest], tok) and torch.equal(ws_p[dest], ws)  # where each sorted slot went
     few = _pad_groups(tok, counts, flat[order], ws, N, multiple=64)[1]  # few rows: the next power of two
     assert few.tolist() == [1 << (int(c) - 1).bit_length() if c else 0 for c in counts]
     real = tok_p != N
@@ -32,6 +33,9 @@ def test_padded_groups_keep_every_slot_in_order():
     for e in range(E):  # expert e's real rows open its padded group, padding closes it
         group = tok_p[starts[e]:starts[e] + padded[e]]
         assert bool((group[:counts[e]] != N).all()) and bool((group[counts[e]:] == N).all())
+    cap = int(counts.max()) + 3  # one capacity for every expert (the batched-matmul layout)
+    tok_c, padded_c, _, dest_c = _pad_groups(tok, counts, flat[order], ws, N, cap=cap)
+    assert padded_c.tolist() == [cap] * E and tok_c.numel() == E * cap and torch.equal(tok_c[dest_c], tok)
 
 
 def test_gather_rows_backward_sums_repeated_rows():
@@ -55,6 +59,7 @@ def _moe_grads(m: MoE, x: torch.Tensor, dispatch: str):
 
 
 def test_grouped_experts_run_in_bf16_on_padded_groups_and_match_the_references(monkeypatch):
+    monkeypatch.setattr(moe, "CPU_BMM_MAX_PADDING", 0.0)  # the per-expert groups, not one capacity
     torch.manual_seed(0)
     m = MoE(32, n_experts=6, top_k=2, hidden=16, n_shared=1)
     x = torch.randn(300, 32)  # about 100 rows per expert: multiples of 64
@@ -72,6 +77,40 @@ def test_grouped_experts_run_in_bf16_on_padded_groups_and_match_the_references(m
     for ref in (_moe_grads(m, x, "split"), _moe_grads(m, x, "loop")):  # both bf16 under autocast
         for a, b in zip(grouped, ref):
             assert torch.allclose(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("n_shared", [0, 1])
+def test_experts_at_one_capacity_run_as_batched_matmuls_and_match_the_references(monkeypatch, n_shared):
+    """Many rows under bf16: every expert padded to the largest group (a multiple of
+    CPU_GROUP_ROWS), one bmm per projection; outputs and gradients as the split and loop paths."""
+    torch.manual_seed(0)
+    m = MoE(32, n_experts=6, top_k=2, hidden=16, n_shared=n_shared)
+    with torch.no_grad():
+        m.router.weight.mul_(20)  # uneven groups: the padding differs from expert to expert
+    x = torch.randn(300, 32)
+    seen = []
+    real = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: (seen.append((a.shape, a.dtype, b.dtype)), real(a, b))[1])
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: pytest.fail("grouped_mm on the batched path"))
+    capped = _moe_grads(m, x, "grouped")
+    assert len(seen) == 3 and all(a == b == torch.bfloat16 for _, a, b in seen)
+    E, cap, _ = seen[0][0]
+    _, idx = m.route(x)[2:]
+    assert E == 6 and cap % moe.CPU_GROUP_ROWS == 0 and cap >= int(torch.bincount(idx.flatten()).max())
+    monkeypatch.setattr(torch, "bmm", real)
+    for ref in (_moe_grads(m, x, "split"), _moe_grads(m, x, "loop")):
+        for a, b in zip(capped, ref):
+            assert torch.allclose(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
+def test_too_uneven_groups_keep_their_own_padding(monkeypatch):
+    """Past CPU_BMM_MAX_PADDING times the real rows, one capacity would waste more than it saves."""
+    torch.manual_seed(0)
+    m = MoE(32, n_experts=6, top_k=2, hidden=16)
+    x = torch.randn(300, 32)
+    monkeypatch.setattr(moe, "CPU_BMM_MAX_PADDING", 1.0)  # any padding at all is too much
+    monkeypatch.setattr(torch, "bmm", lambda *a: pytest.fail("bmm past the padding limit"))
+    _moe_grads(m, x, "grouped")
 
 
 def test_fp32_moe_is_not_padded(monkeypatch):

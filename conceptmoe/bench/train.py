@@ -92,6 +92,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
     peak = peak or measure_peak(tuple(dtypes), preset, tokens, min_time=0.1)["peak_gflops"]
     torch.manual_seed(seed)
     models = {name: build_model(cfg).train() for name, cfg in cfgs}
+    for m in models.values():
+        m.loss_only = True  # as the trainer: the head and its cross-entropy fused (model/linear_ce.py)
     if compile:
         for m in models.values():
             for blk in blocks(m):

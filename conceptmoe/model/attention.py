@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .moe import compute_dtype
 
 
 class RMSNorm(nn.Module):
@@ -90,8 +91,10 @@ class Attention(nn.Module):
                 z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys, values with RoPE applied: (B, H, T, Dh), (B, G, T, Dh), (B, G, T, Dh)."""
         B, T, _ = x.shape
+        x = x.to(compute_dtype(x))  # one cast for the three projections (bf16 under autocast)
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.joint and z is not None:
+            z = z.to(compute_dtype(z))
             q, k, v = q + self.jq(z), k + self.jk(z), v + self.jv(z)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)

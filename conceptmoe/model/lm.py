@@ -29,14 +29,15 @@ from .attention import Attention, RMSNorm, rope_tables
 from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
 from .elastic import RatioEmbedding, RatioTerms, as_ratios, per_sequence_ratio_loss
-from .moe import MoE, MoEAux
+from .linear_ce import linear_cross_entropy
+from .moe import MoE, MoEAux, compute_dtype
 from .stats import ChunkStats, Reduce, router_losses, stats_vector
 from .vision import ImageEmbed, embed_inputs, image_mask, modality_stats
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None when the training loss was fused (``loss_only``)
     loss: torch.Tensor | None = None  # CE + weighted aux terms (None without labels)
     aux: dict[str, torch.Tensor | float] = field(default_factory=dict)
     boundaries: torch.Tensor | None = None  # (B, T) bool for ConceptMoE, None for MoE
@@ -79,6 +80,9 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dispatch = "grouped"  # "grouped" | "split" | "loop" (reference), see moe.py
+        # Set by the trainer: a training forward with labels and gradients returns no logits and
+        # computes the head and its cross-entropy fused (linear_ce.py), the reference otherwise.
+        self.loss_only = False
         # Sums a 1-D tensor over data-parallel processes; set by whoever parallelizes the model.
         self.stats_reduce: Reduce | None = None
         # Sums of a whole accumulated batch (``collect_stats``), set by the trainer around micro-steps.
@@ -132,12 +136,19 @@ class LanguageModel(nn.Module):
 
     def _finish(self, x: torch.Tensor, labels: torch.Tensor | None, balance: torch.Tensor,
                 z_loss: torch.Tensor, extra: dict[str, torch.Tensor], extra_loss: torch.Tensor | None) -> ModelOutput:
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)  # (B, T, D)
         aux = {"balance_loss": balance, "router_z_loss": z_loss, **extra}
-        loss = None
+        loss = logits = None
+        if labels is not None and self.loss_only and self.training and torch.is_grad_enabled():
+            hf = h.reshape(-1, h.shape[-1])
+            ce = linear_cross_entropy(hf.to(compute_dtype(hf)), self.lm_head.weight,
+                                      F.pad(labels[:, 1:], (0, 1), value=-100).reshape(-1))
+        else:
+            logits = self.lm_head(h)
+            if labels is not None:
+                ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                     labels[:, 1:].reshape(-1), ignore_index=-100)
         if labels is not None:
-            ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                 labels[:, 1:].reshape(-1), ignore_index=-100)
             aux["ce_loss"] = ce
             loss = ce + self.cfg.balance_loss_weight * balance + self.cfg.router_z_loss_weight * z_loss
             if extra_loss is not None:

@@ -187,6 +187,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
     eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
     eval_model = lp.model if distributed.is_sharded(lp.model) else lp.raw
     lp.model.train()
+    lp.raw.loss_only = True  # training forwards need the loss, not the logits (model/linear_ce.py)
     out = lp.out
     label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
     bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not (tc.progress and d.main),
