@@ -1,4 +1,4 @@
-"""The LM head and its cross-entropy in one pass over row blocks (training only; CONCEPTMOE.md §3).
+"""The LM head and its cross-entropy in one pass over row blocks (training only; CONCEPTMOE.md §2, item 7).
 
 ``F.cross_entropy(lm_head(h).float(), labels)`` writes the (N, V) logits, an fp32 copy, their
 log-softmax, a zero-filled (N, V) gradient and its bf16 cast: five passes over memory far larger
