@@ -8,7 +8,7 @@ the MoE and the ConceptMoEs of a seed saw the same batches). Writes docs/study/r
 summary.json, table.md (val BPB, paired gap to the MoE, realised compression against R, the router's
 decisiveness: the share of held-out boundary probabilities outside [0.1, 0.9) and inside
 [0.4, 0.6), the learned router temperature where there is one) and p_hist.png; plus each
-comparison's report.md / report.json / curves.png under SEEDDIR/.
+comparison's report.md / report.json / curves.png / p_hist.png under SEEDDIR/.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     summary = collect(dirs)
     for d in dirs:
         (out / d.name).mkdir(exist_ok=True)
-        for f in ("report.md", "report.json", "curves.png"):
+        for f in ("report.md", "report.json", "curves.png", "p_hist.png"):
             if (d / f).is_file():
                 shutil.copyfile(d / f, out / d.name / f)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
