@@ -8,7 +8,7 @@ same extra tokens, the same seed). Pairs the conversions with the continued MoE 
 writes docs/study/round2/NAME/: summary.json and table.md (per model: held-out BPB at the switch and
 at the end, the switch cost and the final gap to the continued MoE as mean ± sd over seeds, the
 tokens each seed took to get back to the MoE's starting BPB), plus each seed's report.md,
-report.json and curves.png under seedS/.
+report.json and curves.png under a folder named as its directory (ct-sS).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def collect(dirs: list[Path]) -> dict:
     seeds, models = {}, {}
     for d in dirs:
         rep = json.loads((d / "compare" / "report.json").read_text())
-        seed = rep["settings"]["seed"]
+        seed = d.name  # the pretraining seed is the directory's (ct-sS); the CT seed is compare's
         pre = json.loads((d / "moe" / "eval.json").read_text())
         seeds[seed] = {"pretrain_val_bpb": pre["val_bpb"], "dir": str(d)}
         base = rep["models"][0]  # the continued MoE
@@ -70,8 +70,9 @@ def table(summary: dict) -> str:
         lines.append(f"| {c['label']} | {c['name']} | {len(per)} | {_fmt(*c['val_bpb_start'])} | {_fmt(*c['val_bpb'])} "
                      f"| {_fmt(*c['switch_cost'], signed=True)} | {_fmt(*c['gap'], signed=True)} | {ratio} | {back} "
                      f"| {c['compression'][0]:.2f} | {next(iter(per.values()))['activated_mflops']:.2f} |")
-    pre = ", ".join(f"seed {s}: {v['pretrain_val_bpb']:.4f}" for s, v in sorted(summary["seeds"].items()))
-    return "\n".join(lines) + f"\n\nThe pretrained MoEs' own held-out BPB (end of pretraining): {pre}.\n"
+    pre = ", ".join(f"{s}: {v['pretrain_val_bpb']:.4f}" for s, v in sorted(summary["seeds"].items()))
+    return ("\n".join(lines) + f"\n\nThe pretrained MoEs' held-out BPB at the end of pretraining, on the whole "
+            f"held-out split (the columns above use the CT runs' validation slice): {pre}.\n")
 
 
 def main(argv: list[str]) -> None:
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> None:
     out = HERE / name
     out.mkdir(parents=True, exist_ok=True)
     for seed, info in summary["seeds"].items():
-        dst = out / f"seed{seed}"
+        dst = out / seed
         dst.mkdir(exist_ok=True)
         for f in ("report.md", "report.json", "curves.png"):
             shutil.copyfile(Path(info["dir"]) / "compare" / f, dst / f)
