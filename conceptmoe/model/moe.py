@@ -204,9 +204,11 @@ class MoE(nn.Module):
         ``scale`` (M, 1): routing weights, applied to the hidden activations (M, F) before the
         down projection, which is linear: cheaper than scaling the outputs (M, D) when F < D.
         ``cap``: every expert has exactly ``cap`` rows (M = E * cap): one batched matmul each."""
+        if cap is not None or grouped:
+            # grouped_mm is not on autocast's list: the weights follow xs (bf16 rows under autocast)
+            w_gate, w_up, w_down = (w.to(xs.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if cap is not None:
             E, D = counts.numel(), xs.shape[-1]
-            w_gate, w_up, w_down = (w.to(xs.dtype) for w in (self.w_gate, self.w_up, self.w_down))
             x3 = xs.view(E, cap, D)
             h = F.silu(torch.bmm(x3, w_gate)) * torch.bmm(x3, w_up)  # (E, cap, F)
             if scale is not None:
@@ -214,8 +216,6 @@ class MoE(nn.Module):
             return torch.bmm(h, w_down).view(E * cap, D)
         if grouped:
             offs = counts.cumsum(0).to(torch.int32)
-            # grouped_mm is not on autocast's list: the weights follow xs (bf16 rows under autocast)
-            w_gate, w_up, w_down = (w.to(xs.dtype) for w in (self.w_gate, self.w_up, self.w_down))
             g = _ContiguousGrad.apply(F.grouped_mm(xs, w_gate, offs=offs))
             u = _ContiguousGrad.apply(F.grouped_mm(xs, w_up, offs=offs))
             h = F.silu(g) * u
