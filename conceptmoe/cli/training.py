@@ -262,6 +262,10 @@ def _register_compare(sub) -> None:
                         "each (default 262k), with the MoE's tokenizer and data; report.md in --out "
                         "(default runs/ct-<run name>)")
     p.add_argument("--chunk-lr-mult", type=finite_float, help="with --init: learning-rate multiplier of the new chunk router")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="train up to N runs at once, one process each: cores / N torch threads each (or "
+                        "OMP_NUM_THREADS), one GPU each on a multi-GPU machine; a run's output goes to "
+                        "--out/logs/ (default 1: one after another, output here)")
     p.set_defaults(func=cmd_compare)
 
 
@@ -277,7 +281,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         given["overrides"] = parse_overrides(args.overrides)
     if args.variants is not None:
         given["variants"] = load_variants(args.variants)
-    out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force))
+    out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force, jobs=args.jobs))
     print((out / "report.md").read_text())
     extra = " and curves.png" if (out / "curves.png").is_file() else ""  # vlm-digits: no curves
     print(f"report written to {out}/report.md, report.json{extra}")
@@ -301,7 +305,7 @@ def _cmd_compare_ct(args: argparse.Namespace) -> int:
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
     variants = [{"topk": "topk", "loop": "loop2"}[s] for s in strategies]
-    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, **given))
+    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, jobs=args.jobs, **given))
     print((out / "report.md").read_text())
     print(f"report written to {out}/report.md, report.json and curves.png")
     return 0

@@ -31,7 +31,7 @@ from ..data.corpus import load_corpus
 from ..lock import RunLock, holds_only_lock
 from ..data.shards import is_prepared, open_prepared
 from ..data.tokenizer import save_tokenizer, train_tokenizer
-from ..training.train import train
+from ..training.jobs import TrainJob, train_runs
 from .compare_report import (build_vlm_report, data_epochs, plot_curves, plot_p_histograms,  # noqa: F401 (re-exported)
                              render_markdown, render_vlm_markdown, verdict)
 from ..data.digits import VLM_DATA
@@ -63,6 +63,7 @@ class CompareConfig:
     overrides: dict[str, Any] = field(default_factory=dict)
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
     force: bool = False
+    jobs: int = 1  # runs trained at once (training/jobs.py); not a setting of the comparison
 
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -74,6 +75,8 @@ class CompareConfig:
             raise UserError(f"--seeds must be distinct integers (got {self.seeds})")
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
+        if self.jobs < 1:
+            raise UserError(f"--jobs must be at least 1 (got {self.jobs})")
         self.out = self.out or f"runs/compare-{self.preset}"
         self.data = resolve_data(self.data)
         for label, spec in self.variants.items():
@@ -86,6 +89,7 @@ class CompareConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("force")
+        d.pop("jobs")
         return d
 
 
@@ -173,14 +177,17 @@ def compare(cc: CompareConfig) -> Path:
         elif not tok_path.is_file():
             vocab = ModelConfig.from_preset(cc.preset, **{**cc.overrides, "kind": "moe"}).vocab_size
             save_tokenizer(train_tokenizer([d.text for d in corpus.train], vocab), tok_path)
+        todo = []
         for label, tc in models:
             for seed in cc.seeds_for(label):
                 run = out / label / f"seed{seed}"
                 if (run / "eval.json").is_file():
                     continue  # finished earlier with the same settings (checked by _claim)
-                print(f"== {label} seed {seed} -> {run}", flush=True)
                 resume = ck.latest_checkpoint(run) is not None  # else: (re)start, ours to replace
-                train(_run_config(tc, seed, run, tok_path, resume, force=not resume))
+                todo.append(TrainJob(f"{label} seed {seed}", _run_config(tc, seed, run, tok_path, resume,
+                                                                         force=not resume),
+                                     out / "logs" / f"{label}-seed{seed}.log"))
+        train_runs(todo, cc.jobs)
         report = build_report(cc, models)
         with replacing(out / "curves.png") as curves, replacing(out / "p_hist.png") as hist:
             plot_curves(report, curves)
@@ -205,14 +212,14 @@ def _compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     with RunLock(out):
+        todo = []
         for label, tc in models:
             for seed in cc.seeds_for(label):
                 run = out / label / f"seed{seed}"
                 want = dataclasses.replace(tc, seed=seed, out=str(run), force=True)
-                if _vlm_done(run, want):
-                    continue
-                print(f"== {label} seed {seed} -> {run}", flush=True)
-                train(want)
+                if not _vlm_done(run, want):
+                    todo.append(TrainJob(f"{label} seed {seed}", want, out / "logs" / f"{label}-seed{seed}.log"))
+        train_runs(todo, cc.jobs)
         report = build_vlm_report(cc, models)
         write_text(out / "report.md", render_vlm_markdown(report))
         ck.write_json(out / "report.json", report)

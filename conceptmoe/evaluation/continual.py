@@ -34,7 +34,7 @@ from ..data.corpus import DOC_SEP, load_corpus
 from ..training.validation import evaluate_tokens
 from ..lock import RunLock, holds_only_lock
 from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer
-from ..training.train import train
+from ..training.jobs import TrainJob, train_runs
 from ..interop.convert import convert_run
 
 VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
@@ -58,6 +58,7 @@ class CTConfig:
     out: str | None = None  # None: runs/ct-<init run name>
     force: bool = False
     progress: bool = True
+    jobs: int = 1  # runs trained at once (training/jobs.py)
 
     def __post_init__(self) -> None:
         bad = [v for v in self.variants if v not in VARIANTS]
@@ -67,6 +68,8 @@ class CTConfig:
             raise UserError(f"--ratios must be values > 1 (got {self.ratios})")
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
+        if self.jobs < 1:
+            raise UserError(f"--jobs must be at least 1 (got {self.jobs})")
         self.init = str(Path(self.init).resolve())
         if ck.model_config_of(ck.read_run_config(self.init)).is_concept:
             raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")
@@ -76,7 +79,7 @@ class CTConfig:
 
     def settings(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for transient in ("force", "progress", "device", "out"):
+        for transient in ("force", "progress", "device", "out", "jobs"):
             d.pop(transient)
         return d
 
@@ -114,23 +117,25 @@ def continual_compare(cc: CTConfig) -> Path:
     data = (src_cfg.get("train") or {}).get("data")
     with RunLock(out):
         _claim(out, cc)
-        starts = {}
+        inits, todo = {}, []
         for label, conv in plan(cc):
             init = Path(cc.init)
             if conv is not None:
                 init = out / "converted" / label
                 if not ck.is_run(init):
                     convert_run(cc.init, init, seed=cc.seed, **conv)
+            inits[label] = init
             run = out / label
             if not (run / "eval.json").is_file():
-                print(f"== CT {label} from {init} -> {run}", flush=True)
                 resume = ck.latest_checkpoint(run) is not None
-                train(TrainConfig(init=str(init), data=data, out=str(run), tokens=cc.tokens, seed=cc.seed,
-                                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
-                                  chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
-                                  eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
-                                  resume=resume, force=not resume, progress=cc.progress))
-            starts[label] = _start_bpb(init, run)
+                tc = TrainConfig(init=str(init), data=data, out=str(run), tokens=cc.tokens, seed=cc.seed,
+                                 batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
+                                 chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
+                                 eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
+                                 resume=resume, force=not resume, progress=cc.progress)
+                todo.append(TrainJob(f"CT {label}", tc, out / "logs" / f"{label}.log"))
+        train_runs(todo, cc.jobs)
+        starts = {label: _start_bpb(init, out / label) for label, init in inits.items()}
         report = build_report(cc, starts)
         with replacing(out / "curves.png") as curves:
             plot_curves(report, curves)

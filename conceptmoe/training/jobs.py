@@ -1,0 +1,162 @@
+"""Train several runs of a comparison at once: one process per run, the machine split between them.
+
+``train_runs(tasks, jobs)`` trains ``TrainJob``s (a label, a ``TrainConfig`` and a log file).
+With ``jobs == 1`` they train one after another in this process, as before. With more, a pool of
+``jobs`` worker processes (spawned: no state inherited from the parent) trains them, each run's
+output (progress bar, warnings) going to its own log file; this process prints one line when a
+run starts and one when it ends. Each worker takes its share of the machine: on CPU
+``cores / jobs`` torch threads unless ``OMP_NUM_THREADS`` is set (then that), on CUDA one visible
+GPU per worker, round-robin over ``CUDA_VISIBLE_DEVICES`` (or all GPUs). A run's result does not
+depend on which worker trains it or when: every run is seeded by its own config, and the runs of
+one seed still read the same batches.
+
+A run that fails does not stop the others; once all have ended, the first failure is raised
+(a ``UserError`` as one line naming the run and its log). Finished runs stay finished, so the
+same command resumes. Ctrl-C reaches every worker: each writes a checkpoint and stops.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import Interrupted, UserError
+from .config import TrainConfig
+from .signals import StopOnSignal
+
+
+@dataclass
+class TrainJob:
+    label: str  # shown to the user, e.g. "topk-R2 seed 1"; "== LABEL -> OUT" starts its output
+    config: TrainConfig
+    log: Path  # the worker's stdout and stderr while it trains this run (jobs > 1)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
+    """Train every task, ``jobs`` at a time (see the module docstring)."""
+    from .train import train
+
+    if jobs < 1:
+        raise UserError(f"--jobs must be at least 1 (got {jobs})")
+    if jobs == 1 or len(tasks) <= 1:
+        for t in tasks:
+            print(f"== {t.label} -> {t.config.out}", flush=True)
+            train(t.config)
+        return
+    jobs = min(jobs, len(tasks))
+    ctx = mp.get_context("spawn")
+    slots, pids = ctx.Queue(), ctx.Queue()
+    for i in range(jobs):
+        slots.put(i)
+    failures: list[tuple[str, TrainJob, str]] = []
+    with StopOnSignal() as stop, cf.ProcessPoolExecutor(
+            jobs, mp_context=ctx, initializer=_init_worker,
+            initargs=(slots, pids, _threads_per_job(jobs), _gpus(tasks))) as pool:
+        running = {}
+        for t in tasks:
+            t.log.parent.mkdir(parents=True, exist_ok=True)
+            running[pool.submit(_train_one, t)] = t
+        print(f"== training {len(tasks)} runs, {jobs} at a time; logs in {tasks[0].log.parent}", flush=True)
+        pending, forwarded = set(running), False
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                if fut.cancelled():
+                    continue
+                t = running[fut]
+                status, message, seconds = fut.result()
+                if status == "ok":
+                    took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+                    print(f"== done {t.label} in {took} -> {t.config.out}", flush=True)
+                else:
+                    print(f"== {status.upper()} {t.label}: {message} (log: {t.log})", flush=True)
+                    failures.append((status, t, message))
+            if stop.signum is not None and not forwarded:  # stop: no new runs; running ones checkpoint
+                forwarded = True
+                for fut in pending:
+                    fut.cancel()
+                while not pids.empty():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pids.get(), stop.signum)
+    if stop.signum is not None:
+        raise Interrupted(f"stopped on {stop.name}; rerun the same command to resume", 128 + stop.signum)
+    if failures:
+        status, t, message = failures[0]
+        others = f" ({len(failures) - 1} more failed)" if len(failures) > 1 else ""
+        raise UserError(f"training {t.label} failed: {message} (log: {t.log}){others}")
+
+
+def _threads_per_job(jobs: int) -> int | None:
+    """None when the user chose (OMP_NUM_THREADS is inherited by the workers)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, usable_cores() // jobs)
+
+
+def _gpus(tasks: list[TrainJob]) -> list[str]:
+    """The GPUs to spread the workers over; empty when the runs train on CPU."""
+    if all(t.config.device == "cpu" for t in tasks):
+        return []
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    return ids or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _init_worker(slots, pids, threads: int | None, gpus: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards it; training handles it (signals.py)
+    slot = slots.get()
+    pids.put(os.getpid())
+    if gpus:  # before the worker's first CUDA call
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[slot % len(gpus)]
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _train_one(task: TrainJob) -> tuple[str, str, float]:
+    """("ok" | "error" | "stopped", message, seconds); never raises (exceptions may not pickle)."""
+    from .train import train
+
+    t0 = time.time()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(task.log, "a", buffering=1) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        print(f"== {task.label} -> {task.config.out}", flush=True)
+        try:
+            train(task.config)
+            return "ok", "", time.time() - t0
+        except Interrupted as e:
+            print(f"stopped: {e}", file=sys.stderr)
+            return "stopped", str(e), time.time() - t0
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return "error", str(e), time.time() - t0
+        except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback in the log
+            traceback.print_exc()
+            return "error", f"{type(e).__name__}: {e}", time.time() - t0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
