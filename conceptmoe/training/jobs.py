@@ -79,7 +79,10 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
                 if fut.cancelled():
                     continue
                 t = running[fut]
-                status, message, seconds = fut.result()
+                try:
+                    status, message, seconds = fut.result()
+                except Exception as e:  # the worker process itself died (killed, out of memory)
+                    status, message, seconds = "error", f"its worker process died ({type(e).__name__}: {e})", 0.0
                 if status == "ok":
                     took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
                     print(f"== done {t.label} in {took} -> {t.config.out}", flush=True)
