@@ -113,3 +113,21 @@ def test_stop_signal_checkpoints_every_running_run_and_resumes(tmp_path):
     for run in runs:
         assert (run / "eval.json").is_file()
         assert (run / "metrics.jsonl").read_text().startswith(before[run])  # continued, not restarted
+
+
+def test_a_stop_while_the_workers_start_loses_no_signal(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "cmp"
+    args = ["compare", "--preset", "tiny", "--data", str(corpus), "--tokens", str(4 * 32 * 150), "--batch-size", "4",
+            "--seq-len", "32", "--seeds", "0", "--device", "cpu", "--jobs", "2", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("== training 2 runs"):
+            break
+    proc.send_signal(signal.SIGINT)  # the workers are still importing torch or building their runs
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    # every run stopped (at once, or at a step with a checkpoint): none trained to its end
+    assert not list(out.glob("*/seed0/eval.json"))
+    assert all("stopped" in (out / "logs" / f"{m}-seed0.log").read_text() for m in ("moe", "topk-R2"))

@@ -12,7 +12,10 @@ one seed still read the same batches.
 
 A run that fails does not stop the others; once all have ended, the first failure is raised
 (a ``UserError`` as one line naming the run and its log). Finished runs stay finished, so the
-same command resumes. Ctrl-C reaches every worker: each writes a checkpoint and stops.
+same command resumes. SIGINT or SIGTERM to this process (Ctrl-C, a scheduler) is forwarded to
+every worker: a run inside its training steps writes a checkpoint and stops (signals.py), a run
+still starting stops at once, queued runs never start, and ``Interrupted`` is raised. Workers
+ignore signals between runs: one dying there would break the pool and kill the others.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import concurrent.futures as cf
 import contextlib
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import time
@@ -30,7 +34,7 @@ from pathlib import Path
 
 from ..errors import Interrupted, UserError
 from .config import TrainConfig
-from .signals import StopOnSignal
+from .signals import SIGNALS, StopOnSignal
 
 
 @dataclass
@@ -60,21 +64,24 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
         return
     jobs = min(jobs, len(tasks))
     ctx = mp.get_context("spawn")
-    slots, pids = ctx.Queue(), ctx.Queue()
+    slots, pids, stopping = ctx.Queue(), ctx.Queue(), ctx.Event()
     for i in range(jobs):
         slots.put(i)
     failures: list[tuple[str, TrainJob, str]] = []
     with StopOnSignal() as stop, cf.ProcessPoolExecutor(
             jobs, mp_context=ctx, initializer=_init_worker,
-            initargs=(slots, pids, _threads_per_job(jobs), _gpus(tasks))) as pool:
+            initargs=(slots, pids, stopping, _threads_per_job(jobs), _gpus(tasks))) as pool:
         running = {}
         for t in tasks:
             t.log.parent.mkdir(parents=True, exist_ok=True)
             running[pool.submit(_train_one, t)] = t
         print(f"== training {len(tasks)} runs, {jobs} at a time; logs in {tasks[0].log.parent}", flush=True)
-        pending, forwarded = set(running), False
+        pending, workers, signalled = set(running), [], set()
         while pending:
             done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    workers.append(pids.get_nowait())
             for fut in done:
                 if fut.cancelled():
                     continue
@@ -89,13 +96,14 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
                 else:
                     print(f"== {status.upper()} {t.label}: {message} (log: {t.log})", flush=True)
                     failures.append((status, t, message))
-            if stop.signum is not None and not forwarded:  # stop: no new runs; running ones checkpoint
-                forwarded = True
+            if stop.signum is not None:  # stop: no new runs; running ones checkpoint (signals.py)
+                stopping.set()  # a worker between runs, or still starting one, sees this instead
                 for fut in pending:
                     fut.cancel()
-                while not pids.empty():
+                for pid in set(workers) - signalled:
+                    signalled.add(pid)
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(pids.get(), stop.signum)
+                        os.kill(pid, stop.signum)
     if stop.signum is not None:
         raise Interrupted(f"stopped on {stop.name}; rerun the same command to resume", 128 + stop.signum)
     if failures:
@@ -124,8 +132,13 @@ def _gpus(tasks: list[TrainJob]) -> list[str]:
     return ids or [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _init_worker(slots, pids, threads: int | None, gpus: list[str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent forwards it; training handles it (signals.py)
+_STOPPING = None  # the parent's stop event, in a worker
+
+
+def _init_worker(slots, pids, stopping, threads: int | None, gpus: list[str]) -> None:
+    global _STOPPING
+    _STOPPING = stopping
+    _ignore_signals()  # between runs: a worker that died here would break the pool (and kill the others)
     slot = slots.get()
     pids.put(os.getpid())
     if gpus:  # before the worker's first CUDA call
@@ -149,8 +162,15 @@ def _train_one(task: TrainJob) -> tuple[str, str, float]:
         os.dup2(log.fileno(), 2)
         print(f"== {task.label} -> {task.config.out}", flush=True)
         try:
+            for s in SIGNALS:  # until training installs its own handlers (and after): stop at once
+                signal.signal(s, _raise_interrupt)
+            if _STOPPING is not None and _STOPPING.is_set():
+                raise KeyboardInterrupt
             train(task.config)
             return "ok", "", time.time() - t0
+        except KeyboardInterrupt:
+            print("stopped outside the training steps (nothing new to checkpoint)", file=sys.stderr)
+            return "stopped", "stopped outside the training steps", time.time() - t0
         except Interrupted as e:
             print(f"stopped: {e}", file=sys.stderr)
             return "stopped", str(e), time.time() - t0
@@ -161,5 +181,15 @@ def _train_one(task: TrainJob) -> tuple[str, str, float]:
             traceback.print_exc()
             return "error", f"{type(e).__name__}: {e}", time.time() - t0
         finally:
+            _ignore_signals()
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def _ignore_signals() -> None:
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
