@@ -11,6 +11,10 @@ them alike, and reports medians:
   ``kv`` tokens already cached, filled synthetically (``decode_state.py``); each repeat
   rewinds them.
 
+``input="held-out"`` (with ``text_ids``, a run's held-out tokens): the prompts and the decoded
+tokens are stretches of that text instead of random ids (``text_rows``), so a trained router
+realises the compression it has on text.
+
 Untrained ConceptMoE routers are calibrated to the target ratio first (``calibrate.py``);
 trained runs are left alone. The realised compression is measured and reported every time.
 
@@ -67,6 +71,7 @@ class LatencySettings:
     threads: int = 0  # torch intra-op threads (0: leave torch's default)
     compile: bool = False  # torch.compile the dense modules of every block
     peak_gflops: float | None = None  # matmul peak of the dtype (None: measure it)
+    input: str = "random"  # "random" token ids, or "held-out": the first run's held-out text (``text_ids``)
 
 
 @dataclass
@@ -167,11 +172,23 @@ def _time_prefill(b: BenchModel, ids: torch.Tensor) -> tuple[float, InferenceSta
     return time.perf_counter() - t0, st, out.boundary
 
 
-def bench_prefill(models: list[BenchModel], s: LatencySettings, log=print) -> list[dict]:
+def text_rows(text_ids: torch.Tensor, rows: int, length: int, start: int = 0) -> torch.Tensor:
+    """(rows, length) consecutive stretches of ``text_ids`` from ``start`` on (wrapping around when
+    the text is shorter): the prompts of a latency run on real text."""
+    n = text_ids.numel()
+    idx = (start + torch.arange(rows * length)) % n
+    return text_ids[idx].view(rows, length)
+
+
+def bench_prefill(models: list[BenchModel], s: LatencySettings, log=print,
+                  text_ids: torch.Tensor | None = None) -> list[dict]:
     dev = torch.device(s.device)
     V = min(b.cfg.vocab_size for b in models)
     g = torch.Generator().manual_seed(s.seed)
-    ids = torch.randint(0, V, (s.prefill_batch, max(s.prefill_lens)), generator=g).to(dev)
+    if text_ids is None:
+        ids = torch.randint(0, V, (s.prefill_batch, max(s.prefill_lens)), generator=g).to(dev)
+    else:
+        ids = text_rows(text_ids, s.prefill_batch, max(s.prefill_lens)).to(dev)
     states = {}  # encoder states (B, T, D): they do not depend on the router
     for b in models:
         if b.calibrate:
@@ -208,11 +225,15 @@ def bench_prefill(models: list[BenchModel], s: LatencySettings, log=print) -> li
     return rows
 
 
-def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> list[dict]:
+def bench_decode(models: list[BenchModel], s: LatencySettings, log=print,
+                 text_ids: torch.Tensor | None = None) -> list[dict]:
     dev = torch.device(s.device)
     V = min(b.cfg.vocab_size for b in models)
     g = torch.Generator().manual_seed(s.seed + 1)
-    tokens = torch.randint(0, V, (s.decode_steps, s.batch), generator=g).to(dev)
+    if text_ids is None:
+        tokens = torch.randint(0, V, (s.decode_steps, s.batch), generator=g).to(dev)
+    else:  # row r continues stretch r of the text; the cache before it stays synthetic
+        tokens = text_rows(text_ids, s.batch, s.decode_steps).T.contiguous().to(dev)
     rows = []
     for kv in s.kv_lens:
         states, snaps = {}, {}
@@ -262,8 +283,12 @@ def bench_decode(models: list[BenchModel], s: LatencySettings, log=print) -> lis
     return rows
 
 
-def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
-    """Both benchmarks; returns the JSON-ready result (see ``latency_report``)."""
+def run_latency(s: LatencySettings, load_run=None, log=print, text_ids: torch.Tensor | None = None) -> dict:
+    """Both benchmarks; returns the JSON-ready result (see ``latency_report``). ``text_ids``
+    (1-D token ids, with ``s.input == "held-out"``): prompts and decoded tokens from this text
+    instead of random ids, so that a trained router places its boundaries as it would on text."""
+    if (s.input == "held-out") != (text_ids is not None) or s.input not in ("random", "held-out"):
+        raise UserError(f"input must be random, or held-out with the text's token ids (got {s.input!r})")
     for name in ("prefill_lens", "kv_lens"):
         if any(n < 2 for n in getattr(s, name)):
             raise UserError(f"--{name.replace('_', '-')}: lengths must be >= 2")
@@ -276,6 +301,9 @@ def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
         torch.set_num_threads(s.threads)
     try:
         models = build_bench_models(s, load_run)
+        if text_ids is not None and int(text_ids.max()) >= min(b.cfg.vocab_size for b in models):
+            raise UserError("--input held-out: the text's token ids do not fit every model's vocabulary "
+                            "(time runs that share one tokenizer, and a --preset with their vocabulary)")
         info = [{"name": b.name, "kind": b.cfg.kind, "strategy": b.strategy,
                  "target_compression": b.ratio, "calibrated_router": b.calibrate,
                  "total_params": b.model.num_params(),
@@ -285,8 +313,8 @@ def run_latency(s: LatencySettings, load_run=None, log=print) -> dict:
         peak = s.peak_gflops or measure_peak((short,), s.preset, device=s.device, min_time=0.1)["peak_gflops"][short]
         result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
                   "dtype": short, "peak_gflops": peak,
-                  "prefill": bench_prefill(models, s, log) if s.prefill_lens else [],
-                  "decode": bench_decode(models, s, log) if s.kv_lens else []}
+                  "prefill": bench_prefill(models, s, log, text_ids) if s.prefill_lens else [],
+                  "decode": bench_decode(models, s, log, text_ids) if s.kv_lens else []}
         add_mfu(result, models, peak)
     finally:
         torch.set_num_threads(threads)

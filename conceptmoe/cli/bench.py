@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="compute-matching strategies: topk,layers,loop (default topk,layers)")
     lat.add_argument("--run", action="append", default=[], metavar="DIR",
                      help="also time a trained run (repeatable; its router is not calibrated)")
+    lat.add_argument("--input", choices=["random", "held-out"], default="random",
+                     help="prompts and decoded tokens: random ids (default), or the first --run's held-out "
+                          "text, where a trained router places its boundaries as it does on text")
     lat.add_argument("--ratio", type=_floats, dest="run_ratios", default=[], metavar="R[,R...]",
                      help="elastic --run: the compression R to run it at (a comma list: one timed model per R; "
                           "default: its design ratio)")
@@ -172,6 +175,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_prepare)
 
 
+def run_held_out_ids(run_dir: str) -> torch.Tensor:
+    """The token ids of a run's held-out split (as ``conceptmoe eval`` rebuilds and checks it)."""
+    from ..evaluation.evaluate import held_out_tokens
+
+    _, cfg, tok, run_cfg = load_run(run_dir, "cpu")
+    ids, _ = held_out_tokens(run_cfg, cfg, tok)
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if ids.numel() < 2:
+        raise UserError(f"{run_dir}: its held-out split is empty")
+    return ids
+
+
 def cmd_bench_latency(args) -> int:
     def load(run_dir):
         return load_run(run_dir, args.device)[0]
@@ -184,13 +199,18 @@ def cmd_bench_latency(args) -> int:
                         batch=args.batch, prefill_batch=args.prefill_batch, repeats=args.repeats,
                         decode_steps=args.decode_steps, seed=args.seed, device=args.device,
                         threads=args.threads, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
-                        compile=args.compile, peak_gflops=peak)
+                        compile=args.compile, peak_gflops=peak, input=args.input)
     if s.run_ratios and not s.runs:
         raise UserError("--ratio applies to the elastic runs given with --run")
     if not s.prefill_lens and not s.kv_lens:
         raise UserError("nothing to do: both --prefill-lens and --kv-lens are empty")
+    text_ids = None
+    if s.input == "held-out":
+        if not s.runs:
+            raise UserError("--input held-out takes the held-out text of the first --run: give one")
+        text_ids = run_held_out_ids(s.runs[0])
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    result = run_latency(s, load, log)
+    result = run_latency(s, load, log, text_ids)
     paths = write_outputs(result, args.out)
     print(format_table(result), end="")
     print(f"wrote {paths['json']} and {paths['plot']}")
