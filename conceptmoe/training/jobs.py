@@ -88,6 +88,8 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
                 t = running[fut]
                 try:
                     status, message, seconds = fut.result()
+                except KeyboardInterrupt:  # a stop signal in the instant after its handlers were reset
+                    status, message, seconds = "stopped", "stopped", 0.0
                 except Exception as e:  # the worker process itself died (killed, out of memory)
                     status, message, seconds = "error", f"its worker process died ({type(e).__name__}: {e})", 0.0
                 if status == "ok":
