@@ -31,7 +31,7 @@ from ..data.corpus import load_corpus
 from ..lock import RunLock, holds_only_lock
 from ..data.shards import is_prepared, open_prepared
 from ..data.tokenizer import save_tokenizer, train_tokenizer
-from ..training.jobs import TrainJob, train_runs
+from ..training.jobs import TrainJob, check_jobs, train_runs
 from .compare_report import (build_vlm_report, data_epochs, plot_curves, plot_p_histograms,  # noqa: F401 (re-exported)
                              render_markdown, render_vlm_markdown, verdict)
 from ..data.digits import VLM_DATA
@@ -75,8 +75,7 @@ class CompareConfig:
             raise UserError(f"--seeds must be distinct integers (got {self.seeds})")
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
-        if self.jobs < 1:
-            raise UserError(f"--jobs must be at least 1 (got {self.jobs})")
+        check_jobs(self.jobs)
         self.out = self.out or f"runs/compare-{self.preset}"
         self.data = resolve_data(self.data)
         for label, spec in self.variants.items():

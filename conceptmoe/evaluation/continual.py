@@ -34,7 +34,7 @@ from ..data.corpus import DOC_SEP, load_corpus
 from ..training.validation import evaluate_tokens
 from ..lock import RunLock, holds_only_lock
 from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer
-from ..training.jobs import TrainJob, train_runs
+from ..training.jobs import TrainJob, check_jobs, train_runs
 from ..interop.convert import convert_run
 
 VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
@@ -68,8 +68,7 @@ class CTConfig:
             raise UserError(f"--ratios must be values > 1 (got {self.ratios})")
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
-        if self.jobs < 1:
-            raise UserError(f"--jobs must be at least 1 (got {self.jobs})")
+        check_jobs(self.jobs)
         self.init = str(Path(self.init).resolve())
         if ck.model_config_of(ck.read_run_config(self.init)).is_concept:
             raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")

@@ -51,12 +51,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def check_jobs(jobs: int) -> None:
+    if jobs < 1:
+        raise UserError(f"--jobs must be at least 1 (got {jobs})")
+
+
 def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
     """Train every task, ``jobs`` at a time (see the module docstring)."""
     from .train import train
 
-    if jobs < 1:
-        raise UserError(f"--jobs must be at least 1 (got {jobs})")
+    check_jobs(jobs)
     if jobs == 1 or len(tasks) <= 1:
         for t in tasks:
             print(f"== {t.label} -> {t.config.out}", flush=True)
@@ -67,7 +71,7 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
     slots, pids, stopping = ctx.Queue(), ctx.Queue(), ctx.Event()
     for i in range(jobs):
         slots.put(i)
-    failures: list[tuple[str, TrainJob, str]] = []
+    failures: list[tuple[TrainJob, str]] = []
     with StopOnSignal() as stop, cf.ProcessPoolExecutor(
             jobs, mp_context=ctx, initializer=_init_worker,
             initargs=(slots, pids, stopping, _threads_per_job(jobs), _gpus(tasks))) as pool:
@@ -82,22 +86,15 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
             with contextlib.suppress(queue.Empty):
                 while True:
                     workers.append(pids.get_nowait())
-            for fut in done:
-                if fut.cancelled():
-                    continue
+            for fut in (f for f in done if not f.cancelled()):
                 t = running[fut]
-                try:
-                    status, message, seconds = fut.result()
-                except KeyboardInterrupt:  # a stop signal in the instant after its handlers were reset
-                    status, message, seconds = "stopped", "stopped", 0.0
-                except Exception as e:  # the worker process itself died (killed, out of memory)
-                    status, message, seconds = "error", f"its worker process died ({type(e).__name__}: {e})", 0.0
+                status, message, seconds = _outcome(fut)
                 if status == "ok":
                     took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
                     print(f"== done {t.label} in {took} -> {t.config.out}", flush=True)
                 else:
                     print(f"== {status.upper()} {t.label}: {message} (log: {t.log})", flush=True)
-                    failures.append((status, t, message))
+                    failures.append((t, message))
             if stop.signum is not None:  # stop: no new runs; running ones checkpoint (signals.py)
                 stopping.set()  # a worker between runs, or still starting one, sees this instead
                 for fut in pending:
@@ -109,9 +106,19 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
     if stop.signum is not None:
         raise Interrupted(f"stopped on {stop.name}; rerun the same command to resume", 128 + stop.signum)
     if failures:
-        status, t, message = failures[0]
+        t, message = failures[0]
         others = f" ({len(failures) - 1} more failed)" if len(failures) > 1 else ""
         raise UserError(f"training {t.label} failed: {message} (log: {t.log}){others}")
+
+
+def _outcome(fut: cf.Future) -> tuple[str, str, float]:
+    """A finished run's (status, message, seconds), also when its worker did not return one."""
+    try:
+        return fut.result()
+    except KeyboardInterrupt:  # a stop signal in the instant after the worker reset its handlers
+        return "stopped", "stopped", 0.0
+    except Exception as e:  # the worker process itself died (killed, out of memory)
+        return "error", f"its worker process died ({type(e).__name__}: {e})", 0.0
 
 
 def _threads_per_job(jobs: int) -> int | None:
