@@ -76,6 +76,9 @@ def _start(argv, err_path):
         try:
             os.close(r)
             sys.stderr = open(err_path, "w", buffering=1)  # noqa: SIM115  (closed by _exit)
+            # Ctrl-C as in a foreground shell: pytest started as a background job (`... &` in a
+            # script) inherits SIGINT ignored, and so would this child
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
             def pause(*args):
                 os.write(w, b"R")
