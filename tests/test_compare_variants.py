@@ -15,7 +15,7 @@ from conceptmoe.model.lm import build_model
 from training_helpers import make_corpus, run_cli
 
 VARIANTS = {"split-enc2": {"set": {"n_encoder_layers": 2}, "seeds": [1]},
-            "slow-router": {"set": {"ratio_loss_weight": 0.1}, "chunk_lr_mult": 0.5}}
+            "slow-router": {"set": {"ratio_loss_weight": 0.1}, "chunk_lr_mult": 0.5, "lr": 1e-3}}
 
 
 def _cfg(corpus, out, **kw):
@@ -33,6 +33,8 @@ def test_variants_train_their_seeds_and_report(tmp_path):
     assert split["model"]["n_encoder_layers"] == 2 and split["train"]["seed"] == 1
     slow = json.loads((out / "slow-router" / "seed0" / "config.json").read_text())
     assert slow["model"]["ratio_loss_weight"] == 0.1 and slow["train"]["chunk_lr_mult"] == 0.5
+    assert slow["train"]["lr"] == 1e-3  # the variant's own learning rate; the others keep --lr
+    assert json.loads((out / "topk-R2" / "seed0" / "config.json").read_text())["train"]["lr"] == 3e-3
     rep = {r["label"]: r for r in json.loads((out / "report.json").read_text())["models"]}
     assert list(rep) == ["moe", "topk-R2", "split-enc2", "slow-router"]
     assert rep["split-enc2"]["seeds"] == [1] and len(rep["split-enc2"]["val_bpb_seeds"]) == 1
@@ -44,7 +46,9 @@ def test_variants_train_their_seeds_and_report(tmp_path):
         assert 0 <= r["p_near_half"] <= 1 and 0 <= r["p_decisive"] <= 1
         secs = [s for s, _ in r["curve_seconds"]]
         assert secs == sorted(secs) and secs[0] > 0 and len(secs) == len(r["curve"])
+    assert rep["slow-router"]["lr"] == 1e-3 and rep["moe"]["lr"] == rep["split-enc2"]["lr"] == 3e-3
     md = (out / "report.md").read_text()
+    assert "(lr 0.001) |" in md and md.count("(lr ") == 1
     assert "| split-enc2 |" in md and "## Router decisiveness" in md
     assert (out / "p_hist.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -55,7 +59,8 @@ def test_variant_file_errors(tmp_path):
                       ('{"x": {"ratio": 1}}', "ratio must be"), ('{"moe": {}}', "label"),
                       ('{"a b": {}}', "label"), ('{"x": {"sett": {}}}', "unknown key"),
                       ('{"x": {"seeds": [5]}}', "subset of --seeds"), ('{"x": {"strategy": "wide"}}', "strategy"),
-                      ('{"x": {"chunk_lr_mult": -1}}', "chunk_lr_mult")]:
+                      ('{"x": {"chunk_lr_mult": -1}}', "chunk_lr_mult"), ('{"x": {"lr": 0}}', "lr must be"),
+                      ('{"x": {"lr": "1e-3"}}', "lr must be")]:
         bad.write_text(text)
         with pytest.raises(UserError, match=msg):
             CompareConfig(variants=load_variants(str(bad)), out=str(tmp_path / "o"))

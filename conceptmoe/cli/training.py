@@ -252,7 +252,7 @@ def _register_compare(sub) -> None:
                    help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
     p.add_argument("--variants", metavar="FILE",
                    help='JSON object of extra ConceptMoE variants, label -> {"strategy", "ratio", "set": {ModelConfig '
-                        'overrides}, "chunk_lr_mult", "seeds": [subset of --seeds]}, e.g. '
+                        'overrides}, "lr", "chunk_lr_mult", "seeds": [subset of --seeds]}, e.g. '
                         '{"split2": {"set": {"n_encoder_layers": 2, "n_decoder_layers": 2}, "seeds": [0]}}')
     p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
     p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")

@@ -92,11 +92,11 @@ class CompareConfig:
         return d
 
 
-VARIANT_KEYS = ("strategy", "ratio", "set", "chunk_lr_mult", "seeds")
+VARIANT_KEYS = ("strategy", "ratio", "set", "lr", "chunk_lr_mult", "seeds")
 
 
 def load_variants(path: str) -> dict[str, dict[str, Any]]:
-    """Read a ``--variants`` file: a JSON object ``{label: {strategy, ratio, set, chunk_lr_mult, seeds}}``."""
+    """Read a ``--variants`` file: a JSON object ``{label: {strategy, ratio, set, lr, chunk_lr_mult, seeds}}``."""
     try:
         variants = json.loads(Path(path).read_text())
     except OSError as e:
@@ -124,6 +124,9 @@ def _check_variant(label: str, spec: Any, seeds: list[int]) -> None:
         raise UserError(f"{where}: ratio must be a number in (1, {MAX_RATIO}]")
     if not isinstance(spec.get("set", {}), dict):
         raise UserError(f"{where}: set must be an object of ModelConfig fields")
+    lr = spec.get("lr", 1.0)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise UserError(f"{where}: lr must be a number > 0")
     mult = spec.get("chunk_lr_mult", 1.0)
     if isinstance(mult, bool) or not isinstance(mult, (int, float)) or not 0 <= mult < float("inf"):
         raise UserError(f"{where}: chunk_lr_mult must be a number >= 0")
@@ -152,7 +155,8 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
             raise UserError(f"variant {label!r}: the comparison already has a model with that label")
         tc = TrainConfig(strategy=spec.get("strategy", "topk"), ratio=float(spec.get("ratio", 2.0)),
                          chunk_lr_mult=float(spec.get("chunk_lr_mult", 1.0)),
-                         **{**common, "overrides": {**cc.overrides, **spec.get("set", {})}})
+                         **{**common, "lr": float(spec.get("lr", cc.lr)),
+                            "overrides": {**cc.overrides, **spec.get("set", {})}})
         models.append((label, tc))
     return models
 
@@ -297,7 +301,7 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
                      "total_params": fl["total_params"],
                      "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
                      "train_tokens_per_s": tps, "curve": curve, "curve_seconds": curve_time,
-                     "seeds": cc.seeds_for(label), "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
+                     "seeds": cc.seeds_for(label), "lr": tc.lr, "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
                      "epochs": data["epochs"],
                      **(decisiveness(p_hist) if p_hist else {})})
     return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "data": datas[0], "models": rows,  # the baseline's

@@ -76,7 +76,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["models"]:
-        table.append(f"| {r['label']} | {r['name']} | {len(r.get('seeds', [0]))} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
+        own_lr = f" (lr {r['lr']:g})" if r.get("lr", s["lr"]) != s["lr"] else ""  # a variant's own rate
+        table.append(f"| {r['label']} | {r['name']}{own_lr} | {len(r.get('seeds', [0]))} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
                      f"| {r['val_loss']:.4f} | {r['compression']:.2f} | {r['activated_flops_per_token'] / 1e6:.2f} "
                      f"| {r['activated_flops_per_token_realised'] / 1e6:.2f} "
                      f"| {r['total_params'] / 1e6:.2f}M | {r['attention_map_flops_per_token'] / 1e6:.3f} "
