@@ -100,3 +100,9 @@ def test_p_histogram_counts_every_position_but_the_first():
     d = decisiveness([1, 0, 0, 0, 0, 0, 0, 0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4])
     assert d["p_near_half"] == pytest.approx(5 / 10) and d["p_decisive"] == pytest.approx(5 / 10)
     assert d["p_above_half"] == pytest.approx(4 / 10)  # bins 10-19
+
+
+def test_each_model_trains_at_its_default_lr_unless_lr_is_given():
+    cc = CompareConfig(out="x", variants={"v": {"lr": 5e-4}})
+    assert {label: tc.lr for label, tc in plan(cc)} == {"moe": 2e-3, "topk-R2": 1e-3, "v": 5e-4}
+    assert {label: tc.lr for label, tc in plan(CompareConfig(out="x", lr=3e-3))} == {"moe": 3e-3, "topk-R2": 3e-3}

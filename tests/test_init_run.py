@@ -79,3 +79,19 @@ def test_init_run_resumes_exactly_without_the_init_run(moe, tmp_path):
     assert res.returncode == 0, res.stderr
     assert _strip(ck.read_metrics(out)) == want
     assert json.loads((out / "eval.json").read_text())["val_bpb"] == json.loads((tmp_path / "ref" / "eval.json").read_text())["val_bpb"]
+
+
+def test_default_lr_follows_the_model_kind(moe, tmp_path):
+    """Without --lr a MoE trains at 2e-3 and a ConceptMoE at 1e-3 (the study's finding), also when the
+    kind comes from --init; an explicit --lr wins; the stored config records the rate used."""
+    corpus, src = moe
+    assert (TrainConfig().lr, TrainConfig(model="moe").lr, TrainConfig(strategy="loop").lr) == (1e-3, 2e-3, 1e-3)
+    assert TrainConfig(model="moe", lr=5e-4).lr == 5e-4
+    no_lr = {k: v for k, v in TINY.items() if k != "lr"}
+    run = train(TrainConfig(model="moe", **no_lr, data=str(corpus), out=str(tmp_path / "moe"), max_steps=1))
+    assert ck.read_run_config(run)["train"]["lr"] == 2e-3
+    assert next(r["lr"] for r in ck.read_metrics(run)) > 0
+    cm = convert_run(src, tmp_path / "cm", ratio=1.5)
+    assert TrainConfig(init=str(src)).lr == 2e-3 and TrainConfig(init=str(cm)).lr == 1e-3
+    with pytest.raises(UserError, match="--lr"):
+        TrainConfig(lr=0.0)

@@ -54,7 +54,8 @@ def _common_model_flags(p: argparse.ArgumentParser) -> None:
                                   "(--preset vlm, pip install -e \".[vlm]\")")
     p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
-    p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default 2e-3)")
+    p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default: 2e-3 for a MoE, 1e-3 for "
+                                                  "a ConceptMoE; compare --init: 1e-3 for both)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA when available")
 
 

@@ -58,7 +58,7 @@ class CompareConfig:
     out: str | None = None  # None: runs/compare-<preset>
     batch_size: int = 8
     seq_len: int = 256
-    lr: float = 2e-3
+    lr: float | None = None  # None: each model's default (training/config.py DEFAULT_LR)
     device: str = "auto"
     overrides: dict[str, Any] = field(default_factory=dict)
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
@@ -155,7 +155,7 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
             raise UserError(f"variant {label!r}: the comparison already has a model with that label")
         tc = TrainConfig(strategy=spec.get("strategy", "topk"), ratio=float(spec.get("ratio", 2.0)),
                          chunk_lr_mult=float(spec.get("chunk_lr_mult", 1.0)),
-                         **{**common, "lr": float(spec.get("lr", cc.lr)),
+                         **{**common, "lr": spec.get("lr", cc.lr),
                             "overrides": {**cc.overrides, **spec.get("set", {})}})
         models.append((label, tc))
     return models

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
-from ..training.config import TrainConfig, model_config
+from ..training.config import DEFAULT_LR, TrainConfig, model_config
 
 MAX_HEADLINE_EPOCHS = 2.0  # beyond this many passes over the training data a figure is not a headline
 
@@ -62,12 +62,19 @@ def verdict(rows: list[dict]) -> list[str]:
     return lines
 
 
+def lr_text(lr: float | None) -> str:
+    """The comparison's learning rate: one for all, or (None) each model's default."""
+    if lr is not None:
+        return f"lr {lr:g}"
+    return "lr: each model's default (" + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     head = (f"# MoE vs ConceptMoE ({s['preset']} preset)\n\n"
             f"Data: {s['data'] or 'Shakespeare (held-out plays: see conceptmoe/data/corpus.py)'}; "
             f"{s['tokens']:,} training tokens per model; batch {s['batch_size']} x {s['seq_len']}; "
-            f"lr {s['lr']:g}; seeds {', '.join(map(str, s['seeds']))}.\n"
+            f"{lr_text(s['lr'])}; seeds {', '.join(map(str, s['seeds']))}.\n"
             f"FLOPs are analytic (conceptmoe/model/flops.py) at the target R and, next to them, at the "
             f"realised compression (what the model actually spent); attention-map FLOPs at "
             f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
@@ -76,7 +83,7 @@ def render_markdown(report: dict[str, Any]) -> str:
              "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["models"]:
-        own_lr = f" (lr {r['lr']:g})" if r.get("lr", s["lr"]) != s["lr"] else ""  # a variant's own rate
+        own_lr = f" (lr {r['lr']:g})" if r.get("lr", s["lr"]) != s["lr"] else ""  # a variant's own, or per model
         table.append(f"| {r['label']} | {r['name']}{own_lr} | {len(r.get('seeds', [0]))} | {r['val_bpb']:.4f} ± {r['val_bpb_std']:.4f} "
                      f"| {r['val_loss']:.4f} | {r['compression']:.2f} | {r['activated_flops_per_token'] / 1e6:.2f} "
                      f"| {r['activated_flops_per_token_realised'] / 1e6:.2f} "
@@ -180,7 +187,7 @@ def render_vlm_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     head = (f"# MoE vs ConceptMoE on vlm-digits ({s['preset']} preset)\n\n"
             f"{s['tokens']:,} training positions per model (images and text, packed rows of {s['seq_len']}); "
-            f"batch {s['batch_size']}; lr {s['lr']:g}; seeds {', '.join(map(str, s['seeds']))}. Evaluation: "
+            f"batch {s['batch_size']}; {lr_text(s['lr'])}; seeds {', '.join(map(str, s['seeds']))}. Evaluation: "
             f"{report['held_out_examples']} examples built from held-out images only. Text loss: mean "
             f"cross-entropy over the text positions after the images; answer accuracy: greedy cached "
             f"generation after \"the digits are\" reproduces the whole answer. Compression: realised "
