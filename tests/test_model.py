@@ -138,3 +138,37 @@ def test_small_preset_builds():
     for kind in ("moe", "conceptmoe"):
         n = build_model(ModelConfig.from_preset("small", kind=kind)).num_params()
         assert 5e6 < n < 3e7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_ffn_on_valid_rows_equals_boolean_indexing(dtype):
+    """The concept layers' MoE on the real concepts only (flat row indices, computed once per
+    forward): bitwise the boolean-mask gather/scatter it replaced, forward and backward, in fp32
+    and under bf16 autocast; padding positions pass through untouched."""
+    from conceptmoe.model.lm import valid_rows
+
+    blk = tiny_model().concept[0]
+    torch.manual_seed(3)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    mask = torch.rand(3, 7) < 0.6
+    mask[:, 0] = True
+    g = torch.randn(3, 7, 32)
+    results = []
+    for valid in (mask, valid_rows(mask), "reference"):
+        x.grad = None
+        blk.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            if isinstance(valid, str):
+                h = blk.moe_norm(x)
+                y, _ = blk.moe(h[mask])
+                ref = torch.zeros_like(h)
+                ref[mask] = y
+                out = x + ref
+            else:
+                out, _ = blk.ffn(x, valid, "grouped")
+        (out.float() * g).sum().backward()
+        results.append((out.detach(), x.grad.clone(), blk.moe.w_up.grad.clone()))
+    for got in results[:2]:
+        for a, b in zip(got, results[2]):
+            assert torch.equal(a, b)
+    assert torch.equal(results[0][0][~mask], x.detach()[~mask].to(results[0][0].dtype))

@@ -44,6 +44,11 @@ class ModelOutput:
     chunks: Chunks | None = None  # full chunking detail (ConceptMoE only)
 
 
+def valid_rows(mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the True positions of a (B, T) mask."""
+    return mask.reshape(-1).nonzero().squeeze(1)
+
+
 class Block(nn.Module):
     """Pre-norm attention + pre-norm MoE feed-forward (optionally with joint decoding)."""
 
@@ -56,15 +61,19 @@ class Block(nn.Module):
                        cfg.shared_size, cfg.shared_expert_gate, cfg.norm_topk_prob)
 
     def ffn(self, x: torch.Tensor, valid: torch.Tensor | None, dispatch: str) -> tuple[torch.Tensor, MoEAux]:
-        """MoE on the (valid) positions of x (B, T, D); padding positions get zeros."""
+        """MoE on the valid positions of x (B, T, D); padding positions get zeros. ``valid``: a
+        (B, T) bool mask, or the flat indices of its True positions (``valid_rows``: computed once
+        for all the concept layers)."""
         h = self.moe_norm(x)
+        flat = h.reshape(-1, h.shape[-1])
         if valid is None:
-            y, aux = self.moe(h.reshape(-1, h.shape[-1]), dispatch)
+            y, aux = self.moe(flat, dispatch)
             return x + y.view_as(h), aux
-        y, aux = self.moe(h[valid], dispatch)
-        out = torch.zeros_like(h)
-        out[valid] = y
-        return x + out, aux
+        rows = valid_rows(valid) if valid.dtype == torch.bool else valid
+        # index_select / index_copy, not boolean indexing: the mask's nonzero once, and backwards
+        # that are a plain index_add and index_select instead of an accumulating index_put_.
+        y, aux = self.moe(flat.index_select(0, rows), dispatch)
+        return x + flat.new_zeros(flat.shape).index_copy(0, rows, y.to(flat.dtype)).view_as(h), aux
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 z: torch.Tensor | None = None, valid: torch.Tensor | None = None,
@@ -224,10 +233,10 @@ class ConceptMoELM(LanguageModel):
 
     def run_concepts(self, c: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         cos, sin = self.rope(c.shape[1], c.device, c.dtype)  # concept index as RoPE position
-        aux = []
+        aux, rows = [], valid_rows(mask)
         for _ in range(self.cfg.concept_loops):
             for blk in self.concept:
-                c, a = blk(c, cos, sin, valid=mask, dispatch=self.dispatch)
+                c, a = blk(c, cos, sin, valid=rows, dispatch=self.dispatch)
                 aux.append(a)
         return c, aux
 

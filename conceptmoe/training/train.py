@@ -67,7 +67,15 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     spec = {"decay": (tc.weight_decay, 1.0), "no_decay": (0.0, 1.0), "chunk": (0.0, tc.chunk_lr_mult)}
     groups = [{"params": ps, "name": n, "weight_decay": spec[n][0], "lr_mult": spec[n][1], "lr": tc.lr * spec[n][1]}
               for n, ps in param_groups(model).items() if ps]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=_fused_adamw(model) or None)
+
+
+def _fused_adamw(model: torch.nn.Module) -> bool:
+    """AdamW's fused kernel (one pass over each parameter) where it helps and is safe: plain CPU
+    tensors, where torch's default is a loop of ~10 ops per parameter (the small preset, 2 threads:
+    17 vs 50 ms per step). CUDA keeps torch's default (foreach), FSDP's DTensors too."""
+    return all(type(p) is torch.nn.Parameter and p.device.type == "cpu" and p.dtype == torch.float32
+               for p in model.parameters())
 
 
 def _diff(a: dict, b: dict) -> list[str]:
