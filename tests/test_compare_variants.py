@@ -106,3 +106,13 @@ def test_each_model_trains_at_its_default_lr_unless_lr_is_given():
     cc = CompareConfig(out="x", variants={"v": {"lr": 5e-4}})
     assert {label: tc.lr for label, tc in plan(cc)} == {"moe": 2e-3, "topk-R2": 1e-3, "v": 5e-4}
     assert {label: tc.lr for label, tc in plan(CompareConfig(out="x", lr=3e-3))} == {"moe": 3e-3, "topk-R2": 3e-3}
+
+
+def test_a_comparison_made_at_one_lr_says_how_to_continue_it(tmp_path):
+    """Comparisons made before the per-model default learning rates (one --lr for all) resume with
+    that --lr; without it the one-line error says so."""
+    corpus = make_corpus(tmp_path / "corpus")
+    compare(_cfg(corpus, tmp_path / "out"))  # lr 3e-3 for both
+    with pytest.raises(UserError, match=r"topk-R2/seed0.*pass --lr 0.003 to continue it"):
+        compare(_cfg(corpus, tmp_path / "out", lr=None))
+    compare(_cfg(corpus, tmp_path / "out"))  # the same --lr: every run reused

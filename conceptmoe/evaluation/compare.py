@@ -260,8 +260,10 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
                 conflicts.append(run)
     if conflicts and not cc.force:
         names = ", ".join(str(r.relative_to(out)) for r in conflicts[:4])
+        was = (f"; it was made with --lr {old['lr']:g}, the default learning rate now depends on the "
+               f"model: pass --lr {old['lr']:g} to continue it" if cc.lr is None and old.get("lr") else "")
         raise UserError(f"{out} holds runs trained with different settings ({names}); "
-                        "use another --out, or --force to retrain them")
+                        f"use another --out, or --force to retrain them{was}")
     for run in conflicts:
         ck.remove_run(run)
     if stale_tok:
