@@ -178,13 +178,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_held_out_ids(run_dir: str) -> torch.Tensor:
     """The token ids of a run's held-out split (as ``conceptmoe eval`` rebuilds and checks it);
     the weights are not read here (the benchmark loads the run itself)."""
-    from ..data.tokenizer import load_tokenizer
     from ..evaluation.evaluate import held_out_tokens
-    from ..training.checkpoint import model_config_of, read_run_config
+    from ..training.checkpoint import load_run_meta
 
-    run_cfg = read_run_config(run_dir)
-    tok = load_tokenizer(Path(run_dir) / "tokenizer.json")
-    ids, _ = held_out_tokens(run_cfg, model_config_of(run_cfg), tok)
+    cfg, tok, run_cfg = load_run_meta(run_dir)
+    ids, _ = held_out_tokens(run_cfg, cfg, tok)
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < 2:
         raise UserError(f"{run_dir}: its held-out split is empty")

@@ -34,7 +34,7 @@ import torch
 
 from ..model.attention import rope_tables
 from ..model.chunking import dechunk, gather_concepts
-from ..model.lm import Block, ConceptMoELM
+from ..model.lm import Block, ConceptMoELM, valid_rows
 from ..model.vision import embed_inputs
 from .cache import ChunkState, DechunkState, InferenceState, KVCache
 
@@ -52,16 +52,17 @@ def _rope(model, pos: torch.Tensor, dtype: torch.dtype):
 
 def _block_prefill(blk: Block, x, cos, sin, cache: KVCache, layer: int, valid, dispatch: str,
                    z=None) -> torch.Tensor:
-    """Block.forward that also stores K/V; ``valid`` (B, T) skips MoE work on padding."""
+    """Block.forward that also stores K/V; ``valid`` (``_real_rows``) skips MoE work on padding."""
     q, k, v = blk.attn.project(blk.attn_norm(x), cos, sin, z)
     cache.put_prefix(layer, k, v)
     x = x + blk.attn.attend(q, k, v)
-    return blk.ffn(x, _or_none(valid), dispatch)[0]
+    return blk.ffn(x, valid, dispatch)[0]
 
 
-def _or_none(valid: torch.Tensor | None) -> torch.Tensor | None:
-    """None when nothing is padding: the MoE then skips the gather/scatter of valid positions."""
-    return None if valid is None or bool(valid.all()) else valid
+def _real_rows(valid: torch.Tensor) -> torch.Tensor | None:
+    """The flat indices of a (B, T) mask's real positions, once for all the layers that share it;
+    None when nothing is padding: the MoE then skips the gather/scatter."""
+    return None if bool(valid.all()) else valid_rows(valid)
 
 
 def _block_step(blk: Block, x, cos, sin, cache: KVCache, layer: int, dispatch: str,
@@ -105,8 +106,9 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
         if ratio is not None:
             raise ValueError("ratio: a plain MoE has no compression ratio")
         cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x)
+        rows = _real_rows(valid)
         for i, blk in enumerate(model.layers):
-            x = _block_prefill(blk, x, cos, sin, cache, i, valid, model.dispatch)
+            x = _block_prefill(blk, x, cos, sin, cache, i, rows, model.dispatch)
         cache.lengths = lengths.tolist()
         logits = model.lm_head(model.norm(_last(x, lengths)))
         return StepOutput(logits), InferenceState(tokens=cache)
@@ -117,8 +119,9 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     cfg, (B, T, _) = model.cfg, x.shape
     n_enc, n_con = len(model.encoder), len(model.concept)
     tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
+    rows = _real_rows(valid)
     for i, blk in enumerate(model.encoder):
-        x = _block_prefill(blk, x, cos, sin, tokens, i, valid, model.dispatch)
+        x = _block_prefill(blk, x, cos, sin, tokens, i, rows, model.dispatch)
     h = x  # (B, T, D) encoder states ĥ
     terms = model.ratio_terms(ratio, B, x.device)  # elastic models: each row's R
     p = model.route(h, terms)  # (B, T)
@@ -129,15 +132,16 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     concepts = _new_cache(model, n_con * cfg.concept_loops, B, C + 1, x)
     c = c_in = model.concept_input(ch.concepts, ch.mask, terms)  # (B, C, D)
     ccos, csin = model.rope(C, x.device, x.dtype)  # concept index as RoPE position
+    concept_rows = _real_rows(ch.mask)
     for loop in range(cfg.concept_loops):
         for i, blk in enumerate(model.concept):
-            c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, ch.mask, model.dispatch)
+            c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, concept_rows, model.dispatch)
     concepts.lengths = ch.mask.sum(1).tolist()
     update = cfg.dechunk_source == "update"
     z_tok, z_res = dechunk(ch, c, c_in) if update else dechunk(ch, c - (c_in - ch.concepts))  # (B, T, D) each
     x = h + z_res
     for i, blk in enumerate(model.decoder):
-        x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, valid, model.dispatch, z=z_tok)
+        x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, rows, model.dispatch, z=z_tok)
     tokens.lengths = lengths.tolist()
     chunk = ChunkState(ratio=terms)
     if cfg.chunk_router == "cosine":

@@ -260,16 +260,23 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 # ----- loading a trained run -----
-def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
-    """(model in eval mode, ModelConfig, tokenizer, run config dict) of a trained run."""
+def load_run_meta(run_dir: str | Path):
+    """(ModelConfig, tokenizer, run config dict) of a trained run, without its weights."""
     run_dir = Path(run_dir)
     run_cfg = read_run_config(run_dir)
     cfg = model_config_of(run_cfg)
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
     tok = load_tokenizer(run_dir / "tokenizer.json")
     if tok.get_vocab_size() > cfg.vocab_size:
         raise UserError(f"{run_dir}/tokenizer.json has {tok.get_vocab_size()} entries but the model's "
                         f"vocabulary has {cfg.vocab_size}; the run is damaged")
+    return cfg, tok, run_cfg
+
+
+def load_run(run_dir: str | Path, device: str | torch.device | None = "auto"):
+    """(model in eval mode, ModelConfig, tokenizer, run config dict) of a trained run."""
+    run_dir = Path(run_dir)
+    cfg, tok, run_cfg = load_run_meta(run_dir)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     model = build_model(cfg)
     load_weights(model, run_dir / "model.safetensors", "cpu")
     check_finite(model, run_dir / "model.safetensors")
