@@ -56,6 +56,14 @@ def ema_off(dechunk):
     return wrapped
 
 
+def held_out_windows(ids: torch.Tensor, T: int, n: int) -> torch.Tensor:
+    """Up to ``n`` windows of ``T`` tokens spread evenly over the held-out ids (N, T); the split is
+    a few hundred files, so the windows sample all of it."""
+    n = min(n, ids.numel() // T)
+    starts = torch.linspace(0, ids.numel() // T - 1, n).long() * T
+    return torch.stack([ids[s:s + T] for s in starts])
+
+
 def offsets_in_concept(b: torch.Tensor) -> torch.Tensor:
     """For boundaries b (N, T), each position's offset from its concept's first token."""
     T = b.shape[1]
@@ -100,10 +108,8 @@ def main() -> int:
     print("|---|---|---|---|")
     for r in curve:
         print(f"| {r['steps'][0]}-{r['steps'][1]} | {r['moe']:.3f} | {r['conceptmoe']:.3f} | {r['gap']:+.3f} |")
-    n = min(args.windows, ids.numel() // T)
-    # Evenly spread windows over the held-out split (it is a few hundred files of code).
-    starts = torch.linspace(0, ids.numel() // T - 1, n).long() * T
-    windows = torch.stack([ids[s:s + T] for s in starts])
+    windows = held_out_windows(ids, T, args.windows)
+    n = len(windows)
     lm, _ = token_losses(moe, windows)
     lc, b = token_losses(cm, windows)
     lx = None

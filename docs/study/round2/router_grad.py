@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from conceptmoe.cli.bench import run_held_out_ids  # noqa: E402
 from conceptmoe.training.checkpoint import load_run  # noqa: E402
+from gap_by_position import held_out_windows  # noqa: E402  (this folder's sibling script)
 
 
 def norm(grads) -> float:
@@ -36,9 +37,7 @@ def router_pulls(run: str, windows: int = 16, batch: int = 8) -> tuple[float, fl
     model.train()
     model.sharpness_now = cfg.boundary_sharpness_final or cfg.boundary_sharpness
     T = int(run_cfg["train"]["seq_len"])
-    ids = run_held_out_ids(run)
-    starts = torch.linspace(0, ids.numel() // T - 1, windows).long() * T
-    x = torch.stack([ids[s:s + T] for s in starts])
+    x = held_out_windows(run_held_out_ids(run), T, windows)
     params = [p for p in model.chunk.parameters() if p.requires_grad]
     from_ce, from_router = [], []
     for i in range(0, windows, batch):
