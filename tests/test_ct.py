@@ -40,6 +40,14 @@ def test_ct_report(moe, tmp_path):
     mtime = (out / "moe" / "eval.json").stat().st_mtime_ns
     continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), **SETTINGS))
     assert (out / "moe" / "eval.json").stat().st_mtime_ns == mtime
+    # Other models (a variant left out, a ratio added): the runs both comparisons have are kept.
+    kept = {label: (out / label / "eval.json").stat().st_mtime_ns for label in ("moe", "R2-topk")}
+    continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"),
+                               **{**SETTINGS, "ratios": [2.0, 1.5], "variants": ["topk"]}))
+    rep = json.loads((out / "report.json").read_text())
+    assert [r["label"] for r in rep["models"]] == ["moe", "R2-topk", "R1.5-topk"]
+    assert {label: (out / label / "eval.json").stat().st_mtime_ns for label in kept} == kept
+    assert (out / "R2-loop2" / "eval.json").is_file()  # left out of this report, not deleted
     with pytest.raises(UserError, match="other settings"):
         continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), **{**SETTINGS, "lr": 1e-3}))
 

@@ -13,7 +13,8 @@ Before the first CT step every model is validated on the same held-out slice as 
 validations (``val_bpb_start``: what the switch costs); the curve then follows CT from there.
 Layout: ``out/converted/<label>`` (the converted runs), ``out/<label>`` (the CT runs),
 ``report.json``, ``report.md``, ``curves.png``. Rerunning with the same settings reuses finished
-runs and resumes interrupted ones; other settings need ``force``.
+runs and resumes interrupted ones, also when ratios or variants are added or left out (the runs of
+the models both have are kept); other settings need ``force``.
 """
 
 from __future__ import annotations
@@ -92,12 +93,20 @@ def plan(cc: CTConfig) -> list[tuple[str, dict[str, Any] | None]]:
     return models
 
 
+def _per_run(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings every run of a CT comparison is trained with (not which models it has)."""
+    return {k: v for k, v in settings.items() if k not in ("ratios", "variants")}
+
+
 def _claim(out: Path, cc: CTConfig) -> None:
     meta = out / "ct.json"
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory")
     if meta.is_file():
-        if json.loads(meta.read_text()) != cc.settings():
+        old = json.loads(meta.read_text())
+        # Which models run (ratios, variants) does not change how any one of them is trained: a
+        # label both comparisons have keeps its finished or interrupted run; anything else is new.
+        if _per_run(old) != _per_run(cc.settings()):
             if not cc.force:
                 raise UserError(f"{out} holds a CT comparison with other settings; use another --out or --force")
             for label, _ in plan(cc):
