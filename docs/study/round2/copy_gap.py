@@ -32,10 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gap_by_position import held_out_windows, token_losses  # noqa: E402
-
-from conceptmoe.cli.bench import run_held_out_ids  # noqa: E402
-from conceptmoe.training.checkpoint import load_run  # noqa: E402
+from gap_by_position import held_out_windows, load_pair, token_losses  # noqa: E402
 
 CLASSES = ("repeat", "seen", "new")
 
@@ -65,12 +62,7 @@ def repeated_random(ids: torch.Tensor, n: int, T: int, seed: int = 0) -> torch.T
 
 
 def score_pair(moe_dir: str, cm_dir: str, n_windows: int) -> dict:
-    moe, _, _, _ = load_run(moe_dir, "cpu")
-    cm, _, _, cm_cfg = load_run(cm_dir, "cpu")
-    T = int(cm_cfg["train"]["seq_len"])
-    ids = run_held_out_ids(cm_dir)
-    if not torch.equal(ids, run_held_out_ids(moe_dir)):
-        sys.exit(f"error: {moe_dir} and {cm_dir} do not share their held-out text (pair runs of one seed)")
+    moe, cm, ids, T = load_pair(moe_dir, cm_dir)
     w = held_out_windows(ids, T, n_windows)
     lm, _ = token_losses(moe, w)
     lc, b = token_losses(cm, w)

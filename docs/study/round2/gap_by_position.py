@@ -64,6 +64,17 @@ def held_out_windows(ids: torch.Tensor, T: int, n: int) -> torch.Tensor:
     return torch.stack([ids[s:s + T] for s in starts])
 
 
+def load_pair(moe_dir: str, cm_dir: str):
+    """(MoE, ConceptMoE, their shared held-out ids, training length) of two paired runs; exits
+    with a message when the runs do not share their held-out text."""
+    moe, _, _, _ = load_run(moe_dir, "cpu")
+    cm, _, _, cm_cfg = load_run(cm_dir, "cpu")
+    ids = run_held_out_ids(cm_dir)
+    if not torch.equal(ids, run_held_out_ids(moe_dir)):
+        sys.exit(f"error: {moe_dir} and {cm_dir} do not share their held-out text (pair runs of one seed)")
+    return moe, cm, ids, int(cm_cfg["train"]["seq_len"])
+
+
 def offsets_in_concept(b: torch.Tensor) -> torch.Tensor:
     """For boundaries b (N, T), each position's offset from its concept's first token."""
     T = b.shape[1]
@@ -97,12 +108,7 @@ def main() -> int:
     ap.add_argument("--ema-off", action="store_true", help="also score the ConceptMoE without its dechunk EMA")
     args = ap.parse_args()
     torch.manual_seed(0)
-    moe, _, _, moe_cfg = load_run(args.moe, "cpu")
-    cm, _, _, cm_cfg = load_run(args.conceptmoe, "cpu")
-    T = int(cm_cfg["train"]["seq_len"])
-    ids = run_held_out_ids(args.conceptmoe)
-    if not torch.equal(ids, run_held_out_ids(args.moe)):
-        sys.exit("error: the two runs do not share their held-out text (pair runs of one seed)")
+    moe, cm, ids, T = load_pair(args.moe, args.conceptmoe)
     curve = training_curve(args.moe, args.conceptmoe)
     print("| steps | MoE training CE | ConceptMoE training CE | gap |")
     print("|---|---|---|---|")
