@@ -19,7 +19,7 @@ from conceptmoe.training.config import TrainConfig
 
 # ----- E1, E2: names -----
 def test_loop_and_layers_get_different_names():
-    base = ModelConfig.from_preset("small", kind="moe")
+    base = ModelConfig.from_preset("small", kind="moe", n_encoder_layers=1, n_decoder_layers=1)
     layers = match_config(base, 2.0, "layers")
     loop = match_config(base, 2.0, "loop")
     assert layers.config.concept_loops == 1 and loop.config.concept_loops == 2
