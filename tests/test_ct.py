@@ -62,3 +62,22 @@ def test_ct_refusals(moe, tmp_path, capsys):
     assert "topk" in capsys.readouterr().err
     assert main(["compare", "--chunk-lr-mult", "2", "--out", str(tmp_path / "y")]) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_ct_split(moe, tmp_path, capsys):
+    """--split sets the conversions' stages; the comparison records it, so another split is another
+    comparison, and a comparison made without it keeps its settings."""
+    out = tmp_path / "ct"
+    continual_compare(CTConfig(init=str(moe), out=str(out), split="2+1+1", **{**SETTINGS, "variants": ["topk"]}))
+    cfg = json.loads((out / "converted" / "R2-topk" / "config.json").read_text())["model"]
+    assert (cfg["n_encoder_layers"], cfg["n_decoder_layers"], cfg["n_layers"]) == (2, 1, 4)
+    assert json.loads((out / "ct.json").read_text())["split"] == "2+1+1"
+    with pytest.raises(UserError, match="other settings"):
+        continual_compare(CTConfig(init=str(moe), out=str(out), **{**SETTINGS, "variants": ["topk"]}))
+    assert "split" not in CTConfig(init=str(moe), **SETTINGS).settings()  # the pre---split settings
+    with pytest.raises(UserError, match="covers 9 layers"):
+        CTConfig(init=str(moe), split="3+3+3")
+    assert main(["compare", "--split", "1+2+1", "--out", str(tmp_path / "y")]) == 2
+    assert "--init" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    assert main(["compare", "--init", str(moe), "--split", "2+x+1", "--out", str(tmp_path / "z")]) == 2
+    assert "--split must read E+C+D" in capsys.readouterr().err

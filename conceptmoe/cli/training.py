@@ -263,6 +263,9 @@ def _register_compare(sub) -> None:
                         "each (default 262k), with the MoE's tokenizer and data; report.md in --out "
                         "(default runs/ct-<run name>)")
     p.add_argument("--chunk-lr-mult", type=finite_float, help="with --init: learning-rate multiplier of the new chunk router")
+    p.add_argument("--split", metavar="E+C+D",
+                   help="with --init: encoder + concept + decoder layers of the conversions, as `conceptmoe convert "
+                        "--split` (default: convert's, 1 + 6 + 1 for an 8-layer MoE)")
     p.add_argument("--jobs", type=int, default=1,
                    help="train up to N runs at once, one process each: cores / N torch threads each (or "
                         "OMP_NUM_THREADS), one GPU each on a multi-GPU machine; a run's output goes to "
@@ -273,8 +276,9 @@ def _register_compare(sub) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.init is not None:
         return _cmd_compare_ct(args)
-    if args.chunk_lr_mult is not None:
-        raise UserError("--chunk-lr-mult applies to the continual-training mode (--init)")
+    for flag, value in (("--chunk-lr-mult", args.chunk_lr_mult), ("--split", args.split)):
+        if value is not None:
+            raise UserError(f"{flag} applies to the continual-training mode (--init)")
     given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
                                           "out", "batch_size", "seq_len", "lr", "device")
              if getattr(args, k) is not None}
@@ -300,7 +304,7 @@ def _cmd_compare_ct(args: argparse.Namespace) -> int:
     if not set(strategies) <= {"topk", "loop"}:
         raise UserError("--init converts by topk (more activated experts) or loop (concept layers run twice)")
     given = {k: getattr(args, k) for k in ("ratios", "tokens", "out", "batch_size", "seq_len", "lr", "device",
-                                          "chunk_lr_mult") if getattr(args, k) is not None}
+                                          "chunk_lr_mult", "split") if getattr(args, k) is not None}
     if args.seeds:
         given["seed"] = args.seeds[0]
     if args.overrides is not None:

@@ -36,7 +36,7 @@ from ..training.validation import evaluate_tokens
 from ..lock import RunLock, holds_only_lock
 from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer
 from ..training.jobs import TrainJob, check_jobs, train_runs
-from ..interop.convert import convert_run
+from ..interop.convert import convert_run, parse_split
 
 VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
 
@@ -56,6 +56,7 @@ class CTConfig:
     val_tokens: int = 32_768  # held-out tokens of every validation (start, curve, final)
     device: str = "auto"
     overrides: dict[str, Any] = field(default_factory=dict)  # --set for the converted models
+    split: str | None = None  # "E+C+D" of the conversions (convert --split); None: convert's default
     out: str | None = None  # None: runs/ct-<init run name>
     force: bool = False
     progress: bool = True
@@ -71,8 +72,11 @@ class CTConfig:
             raise UserError("--tokens must be positive")
         check_jobs(self.jobs)
         self.init = str(Path(self.init).resolve())
-        if ck.model_config_of(ck.read_run_config(self.init)).is_concept:
+        source = ck.model_config_of(ck.read_run_config(self.init))
+        if source.is_concept:
             raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")
+        if self.split is not None:
+            self.split = "+".join(map(str, parse_split(self.split, source.n_layers)))  # checked, canonical
         self.out = self.out or f"runs/ct-{Path(self.init).name}"
         if self.eval_every is None:
             self.eval_every = max(1, -(-self.tokens // (self.batch_size * self.seq_len)) // 4)
@@ -81,6 +85,8 @@ class CTConfig:
         d = dataclasses.asdict(self)
         for transient in ("force", "progress", "device", "out", "jobs"):
             d.pop(transient)
+        if d["split"] is None:  # comparisons made before --split existed keep their settings
+            d.pop("split")
         return d
 
 
@@ -89,7 +95,8 @@ def plan(cc: CTConfig) -> list[tuple[str, dict[str, Any] | None]]:
     models: list[tuple[str, dict[str, Any] | None]] = [("moe", None)]
     for r in cc.ratios:
         for v in cc.variants:
-            models.append((f"R{r:g}-{v}", {"ratio": float(r), "overrides": cc.overrides, **VARIANTS[v]}))
+            models.append((f"R{r:g}-{v}", {"ratio": float(r), "split": cc.split, "overrides": cc.overrides,
+                                           **VARIANTS[v]}))
     return models
 
 
