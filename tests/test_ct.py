@@ -72,6 +72,7 @@ def test_ct_split(moe, tmp_path, capsys):
     cfg = json.loads((out / "converted" / "R2-topk" / "config.json").read_text())["model"]
     assert (cfg["n_encoder_layers"], cfg["n_decoder_layers"], cfg["n_layers"]) == (2, 1, 4)
     assert json.loads((out / "ct.json").read_text())["split"] == "2+1+1"
+    assert "conversions split 2+1+1." in (out / "report.md").read_text()
     with pytest.raises(UserError, match="other settings"):
         continual_compare(CTConfig(init=str(moe), out=str(out), **{**SETTINGS, "variants": ["topk"]}))
     assert "split" not in CTConfig(init=str(moe), **SETTINGS).settings()  # the pre---split settings
