@@ -198,10 +198,11 @@ def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str,
 
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
+    split = s.get("split") or "convert's default"
     head = (f"# Continual training from {report['init']}\n\n"
             f"{s['tokens']:,} CT tokens per model; batch {s['batch_size']} x {s['seq_len']}; lr {s['lr']:g} "
             f"(fresh AdamW, warmup + cosine); chunk-lr-mult {s['chunk_lr_mult']:g}; seed {s['seed']}; "
-            f"conversions split {s.get('split') or "convert's default"}. "
+            f"conversions split {split}. "
             f"'start' is the held-out BPB of the weights before the first CT step (the switch); "
             f"'back at' is the first CT token count whose held-out BPB is at or below the MoE's start.\n\n")
     table = ["| run | model | val BPB | start BPB | back at (tokens) | compression (start -> end) | "
