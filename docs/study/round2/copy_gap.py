@@ -23,7 +23,6 @@ to near zero on the second half. The runs of a pair must share tokenizer and hel
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gap_by_position import held_out_windows, load_pair, token_losses  # noqa: E402
+
+from conceptmoe.files import write_json  # noqa: E402
 
 CLASSES = ("repeat", "seen", "new")
 
@@ -114,7 +115,7 @@ def main() -> int:
               f"{p['moe_second_half']:.2f}, ConceptMoE {p['conceptmoe_first_half']:.2f} -> "
               f"{p['conceptmoe_second_half']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_json(Path(args.json), results)
     return 0
 
 
