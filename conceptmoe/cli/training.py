@@ -256,6 +256,10 @@ def _register_compare(sub) -> None:
                         'overrides}, "lr", "chunk_lr_mult", "seeds": [subset of --seeds]}, e.g. '
                         '{"split2": {"set": {"n_encoder_layers": 2, "n_decoder_layers": 2}, "seeds": [0]}}')
     p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"),
+                   help="every run in this precision (default: each run's own, as `train`: bf16 on CUDA and on "
+                        "AMX-BF16 / AVX512-BF16 CPUs, else fp32; a resumed run keeps its recorded one); runs "
+                        "finished in another precision count as different settings")
     p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
     p.add_argument("--init", metavar="MOE_RUN",
                    help="continual-training mode: continue this MoE run vs its ConceptMoE conversions (default "
@@ -280,7 +284,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if value is not None:
             raise UserError(f"{flag} applies to the continual-training mode (--init)")
     given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
-                                          "out", "batch_size", "seq_len", "lr", "device")
+                                          "out", "batch_size", "seq_len", "lr", "device", "dtype")
              if getattr(args, k) is not None}
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
@@ -304,7 +308,7 @@ def _cmd_compare_ct(args: argparse.Namespace) -> int:
     if not set(strategies) <= {"topk", "loop"}:
         raise UserError("--init converts by topk (more activated experts) or loop (concept layers run twice)")
     given = {k: getattr(args, k) for k in ("ratios", "tokens", "out", "batch_size", "seq_len", "lr", "device",
-                                          "chunk_lr_mult", "split") if getattr(args, k) is not None}
+                                          "dtype", "chunk_lr_mult", "split") if getattr(args, k) is not None}
     if args.seeds:
         given["seed"] = args.seeds[0]
     if args.overrides is not None:

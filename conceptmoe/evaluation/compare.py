@@ -60,6 +60,7 @@ class CompareConfig:
     seq_len: int = 256
     lr: float | None = None  # None: each model's default (training/config.py DEFAULT_LR)
     device: str = "auto"
+    dtype: str | None = None  # None: each run's default (train.py: bf16 on CUDA / AMX CPUs, else fp32)
     overrides: dict[str, Any] = field(default_factory=dict)
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
     force: bool = False
@@ -76,6 +77,8 @@ class CompareConfig:
         if self.tokens < 1:
             raise UserError("--tokens must be positive")
         check_jobs(self.jobs)
+        if self.dtype not in (None, "fp32", "bf16"):
+            raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype})")
         self.out = self.out or f"runs/compare-{self.preset}"
         self.data = resolve_data(self.data)
         for label, spec in self.variants.items():
@@ -138,7 +141,7 @@ def _check_variant(label: str, spec: Any, seeds: list[int]) -> None:
 def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
     """(label, TrainConfig for seed 0) of every model in the comparison, baseline first."""
     common = dict(preset=cc.preset, overrides=cc.overrides, data=cc.data, tokens=cc.tokens,
-                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device)
+                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device, dtype=cc.dtype)
     # ConceptMoE-only knobs (ratio_loss_weight, the stage split, ablations) leave the baseline alone.
     moe_over = {k: v for k, v in cc.overrides.items() if k not in MOE_IGNORED}
     models = [("moe", TrainConfig(model="moe", **{**common, "overrides": moe_over}))]
@@ -256,7 +259,10 @@ def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) 
             run = out / label / f"seed{seed}"
             if not ck.is_run(run):
                 continue
-            if stale_tok or not trained_as(ck.read_run_config(run), _run_config(tc, seed, run, tok_path)):
+            stored = ck.read_run_config(run)
+            if stale_tok or not trained_as(stored, _run_config(tc, seed, run, tok_path)):
+                conflicts.append(run)
+            elif cc.dtype and stored.get("precision") not in (None, cc.dtype):  # None: recorded before precision was
                 conflicts.append(run)
     if conflicts and not cc.force:
         names = ", ".join(str(r.relative_to(out)) for r in conflicts[:4])
@@ -293,7 +299,8 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
         curve = _mean_curve(metrics)
         curve_time = _mean_time_curve(metrics)
         p_hist = _p_histogram(runs[0], evals[0]) if mc.is_concept else None
-        data = data_epochs(ck.read_run_config(runs[0]).get("data") or {}, metrics)
+        stored = [ck.read_run_config(r) for r in runs]
+        data = data_epochs(stored[0].get("data") or {}, metrics)
         datas.append(data)
         rows.append({"label": label, "name": mc.name, "strategy": tc.strategy, "ratio": tc.ratio if mc.is_concept else 1.0,
                      "val_bpb": bpb, "val_bpb_std": bpb_sd, "val_bpb_seeds": [e["val_bpb"] for e in evals],
@@ -304,7 +311,7 @@ def build_report(cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> di
                      "attention_map_flops_per_token": fl["attention_map_flops_per_token"],
                      "train_tokens_per_s": tps, "curve": curve, "curve_seconds": curve_time,
                      "seeds": cc.seeds_for(label), "lr": tc.lr, "chunk_lr_mult": tc.chunk_lr_mult, "config": mc.to_dict(),
-                     "epochs": data["epochs"],
+                     "epochs": data["epochs"], "precision": [c.get("precision") for c in stored],
                      **(decisiveness(p_hist) if p_hist else {})})
     return {"settings": cc.to_dict(), "seq_len": cc.seq_len, "data": datas[0], "models": rows,  # the baseline's
             "verdict": verdict(rows)}

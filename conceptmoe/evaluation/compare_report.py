@@ -69,6 +69,19 @@ def lr_text(lr: float | None) -> str:
     return "lr: each model's default (" + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")"
 
 
+def precision_line(models: list[dict[str, Any]]) -> str:
+    """How the runs were computed (config.json ``precision``: bf16 autocast or fp32; "bf16,fp32" when a
+    resumed run was switched), one line; a mix is spelled out per run, since it is a confound."""
+    runs = [(m["label"], s, p) for m in models for s, p in zip(m.get("seeds", [0]), m.get("precision", []))]
+    kinds = {p for *_, p in runs}
+    if not runs or kinds == {None}:
+        return ""
+    if len(kinds) == 1:
+        return f"Precision: {runs[0][2]} for every run.\n"
+    each = ", ".join(f"{label} seed {s}: {p or 'not recorded'}" for label, s, p in runs)
+    return f"Precision differs between runs ({each}): compare the models within one precision.\n"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
     head = (f"# MoE vs ConceptMoE ({s['preset']} preset)\n\n"
@@ -78,7 +91,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"FLOPs are analytic (conceptmoe/model/flops.py) at the target R and, next to them, at the "
             f"realised compression (what the model actually spent); attention-map FLOPs at "
             f"sequence length {report['seq_len']}. Compression is realized tokens/concept on the "
-            f"held-out text.\n" + (data_line(report["data"]) if "data" in report else "") + "\n")
+            f"held-out text.\n" + (data_line(report["data"]) if "data" in report else "")
+            + precision_line(report["models"]) + "\n")
     table = ["| run | model | seeds | val BPB (mean ± sd) | val loss | compression | activated MFLOPs/token "
              "at R | at realised compression | total params | attn-map MFLOPs/token | train tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -37,6 +37,7 @@ from ..lock import RunLock, holds_only_lock
 from ..data.tokenizer import byte_lengths, encode_documents, load_tokenizer
 from ..training.jobs import TrainJob, check_jobs, train_runs
 from ..interop.convert import convert_run, parse_split
+from .compare_report import precision_line
 
 VARIANTS = {"topk": dict(strategy="topk"), "loop2": dict(loops=2)}
 
@@ -55,6 +56,7 @@ class CTConfig:
     eval_every: int | None = None  # None: 4 validations per run
     val_tokens: int = 32_768  # held-out tokens of every validation (start, curve, final)
     device: str = "auto"
+    dtype: str | None = None  # None: each run's default (train.py); recorded per run in config.json
     overrides: dict[str, Any] = field(default_factory=dict)  # --set for the converted models
     split: str | None = None  # "E+C+D" of the conversions (convert --split); None: convert's default
     out: str | None = None  # None: runs/ct-<init run name>
@@ -83,7 +85,7 @@ class CTConfig:
 
     def settings(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for transient in ("force", "progress", "device", "out", "jobs"):
+        for transient in ("force", "progress", "device", "dtype", "out", "jobs"):
             d.pop(transient)
         if d["split"] is None:  # comparisons made before --split existed keep their settings
             d.pop("split")
@@ -146,7 +148,7 @@ def continual_compare(cc: CTConfig) -> Path:
                 tc = TrainConfig(init=str(init), data=data, out=str(run), tokens=cc.tokens, seed=cc.seed,
                                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
                                  chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
-                                 eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
+                                 dtype=cc.dtype, eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
                                  resume=resume, force=not resume, progress=cc.progress)
                 todo.append(TrainJob(f"CT {label}", tc, out / "logs" / f"{label}.log"))
         train_runs(todo, cc.jobs)
@@ -174,7 +176,8 @@ def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str,
     rows = []
     for label, _ in plan(cc):
         run = Path(cc.out) / label
-        cfg = ck.model_config_of(ck.read_run_config(run))
+        stored = ck.read_run_config(run)
+        cfg = ck.model_config_of(stored)
         ev = json.loads((run / "eval.json").read_text())
         metrics = ck.read_metrics(run)
         curve = [(0, starts[label]["val_bpb"])] + [(m["tokens"], m["val_bpb"]) for m in metrics if "val_bpb" in m]
@@ -189,7 +192,7 @@ def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str,
                      "activated_flops_per_token": fl["activated_flops_per_token"],
                      "activated_flops_per_token_realised": fl_real["activated_flops_per_token"],
                      "total_params": fl["total_params"], "train_tokens_per_s": tps, "curve": curve,
-                     "config": cfg.to_dict()})
+                     "config": cfg.to_dict(), "seeds": [cc.seed], "precision": [stored.get("precision")]})
     base = rows[0]
     for r in rows:
         r["recovered_at_tokens"] = next((t for t, b in r["curve"] if b <= base["val_bpb_start"]), None)
@@ -204,7 +207,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"(fresh AdamW, warmup + cosine); chunk-lr-mult {s['chunk_lr_mult']:g}; seed {s['seed']}; "
             f"conversions split {split}. "
             f"'start' is the held-out BPB of the weights before the first CT step (the switch); "
-            f"'back at' is the first CT token count whose held-out BPB is at or below the MoE's start.\n\n")
+            f"'back at' is the first CT token count whose held-out BPB is at or below the MoE's start.\n"
+            + precision_line(report["models"]) + "\n")
     table = ["| run | model | val BPB | start BPB | back at (tokens) | compression (start -> end) | "
              "activated MFLOPs/token at R | at realised | total params | train tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -176,9 +176,10 @@ def comparable_model(model: dict[str, Any]) -> dict[str, Any]:
 
 def trained_as(stored: dict[str, Any], tc: TrainConfig) -> bool:
     """Whether a stored run config (config.json) was trained with the settings ``tc`` asks for:
-    the same model (``comparable_model``) and training settings, not counting where or on what
-    device it ran; --set overrides count through the model config they give."""
-    place = ("device", "out", "tokenizer", "overrides")
+    the same model (``comparable_model``) and training settings, not counting where, on what
+    device or in what precision it ran (config.json records that: ``precision``); --set overrides
+    count through the model config they give."""
+    place = ("device", "out", "tokenizer", "overrides", "dtype")
     train = lambda d: {k: v for k, v in d.items() if k not in place}  # noqa: E731
     return (comparable_model(stored["model"]) == comparable_model(model_config(tc).to_dict())
             and train(stored.get("train", {})) == train(tc.to_dict()))

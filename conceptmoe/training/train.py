@@ -160,7 +160,6 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
     mc = model_config(tc)
     out = Path(tc.out) if tc.out else default_out(tc, mc)
     mode = tc.parallel or "ddp"
-    dtype = tc.dtype or default_dtype(d.device)  # bf16 on CUDA and on AMX / AVX512-BF16 CPUs
     if tc.batch_size % (d.world * tc.grad_accum):
         raise UserError(f"--batch-size {tc.batch_size} must be a multiple of processes x --grad-accum "
                         f"({d.world} x {tc.grad_accum})")
@@ -168,6 +167,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                             [mc.n_experts] + ([mc.concept_experts] if mc.is_concept else []))
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
+        resumed = stored if stored is not None and ck.latest_checkpoint(out) is not None else None
+        dtype, used, dnote = _precision(tc, d.device, resumed)
         if tc.data == VLM_DATA:  # the image-text digits task (digits.py)
             from .digits import vlm_data
 
@@ -176,7 +177,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             data = _text_data(tc, mc, out, stored, d)
         if tc.progress and d.main:
             print(data.note + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
-            print(dtype_note(d.device, dtype, tc.dtype), file=sys.stderr)
+            print(dnote, file=sys.stderr)
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
         if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
@@ -186,7 +187,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                 ck.remove_run(out)
             save_tokenizer(data.tokenizer, out / "tokenizer.json")
             ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
-                                                "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record})
+                                                "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record,
+                                                "precision": used})
         if tc.compile:
             for blk in distributed.blocks(model):
                 blk.compile(dynamic=True)
@@ -216,6 +218,27 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
         d.barrier()
     return out
+
+
+def _precision(tc: TrainConfig, device, resumed: dict | None) -> tuple[str, str, str]:
+    """(dtype of this session, the run's precision record, the note printed at the start).
+
+    Without --dtype a resumed run keeps the precision it was trained in (recorded in config.json),
+    so a run moved to a machine with another default is not silently switched mid-way. The record
+    is the precisions in order of use, e.g. "bf16" or "bf16,fp32" when --dtype changed it."""
+    before = (resumed or {}).get("precision")  # runs from before the record: unknown
+    last = before.split(",")[-1] if before else None
+    if tc.dtype is None and last:
+        note = f"precision: {last} (kept from the run being resumed; --dtype fp32|bf16 to change it)"
+        if last != default_dtype(device):
+            note += f"; this machine's default would be {default_dtype(device)}"
+        return last, before, note
+    dtype = tc.dtype or default_dtype(device)  # bf16 on CUDA and on AMX / AVX512-BF16 CPUs
+    note = dtype_note(device, dtype, tc.dtype)
+    if last and last != dtype:
+        note += f"; the run so far was trained in {before}"
+        return dtype, f"{before},{dtype}", note
+    return dtype, before or dtype, note
 
 
 def _tokenizer(tc: TrainConfig, mc: ModelConfig, out: Path, texts: list[str]):
