@@ -7,7 +7,8 @@ merged by model label and paired by seed (a seed fixes the initialisation and th
 the MoE and the ConceptMoEs of a seed saw the same batches). Writes docs/study/round2/BUDGET_NAME/:
 summary.json, table.md (val BPB, paired gap to the MoE, realised compression against R, the router's
 decisiveness: the share of held-out boundary probabilities outside [0.1, 0.9) and inside
-[0.4, 0.6), the learned router temperature where there is one) and p_hist.png; plus each
+[0.4, 0.6), the learned router temperature where there is one, the precision each run was computed in:
+config.json `precision`) and p_hist.png; plus each
 comparison's report.md / report.json / curves.png / p_hist.png under SEEDDIR/.
 """
 
@@ -53,7 +54,8 @@ def collect(dirs: list[Path]) -> dict:
                 run = d / m["label"] / f"seed{s}"
                 ev = json.loads((run / "eval.json").read_text())
                 row = {"val_bpb": bpb, "compression": ev.get("compression", 1.0),
-                       "train_tokens_per_s": m["train_tokens_per_s"], "epochs": m.get("epochs")}
+                       "train_tokens_per_s": m["train_tokens_per_s"], "epochs": m.get("epochs"),
+                       "precision": json.loads((run / "config.json").read_text()).get("precision")}
                 if "p_histogram" in ev:
                     row.update(_shares(ev["p_histogram"]), p_histogram=ev["p_histogram"])
                     row["temperature"] = _temperature(run)
@@ -66,6 +68,7 @@ def collect(dirs: list[Path]) -> dict:
         cell["val_bpb"], cell["val_bpb_sd"] = _ms([r["val_bpb"] for r in rows])
         cell["compression"] = statistics.fmean(r["compression"] for r in rows)
         cell["epochs"] = rows[0]["epochs"]
+        cell["precision"] = sorted({r.get("precision") or "not recorded" for r in rows})
         gaps = [cell["per_seed"][s]["val_bpb"] - base[s]["val_bpb"] for s in seeds if s in base]
         if cell["label"] != "moe" and gaps:
             cell["gap_vs_moe"], cell["gap_vs_moe_sd"] = _ms(gaps)
@@ -80,8 +83,8 @@ def collect(dirs: list[Path]) -> dict:
 
 def table(summary: dict) -> str:
     lines = ["| run | model | seeds | val BPB mean ± sd | gap to MoE (paired) mean ± sd | per-seed gaps | gap / sd | "
-             "realised R (vs R) | p outside [0.1, 0.9) | p in [0.4, 0.6) | learned exp(a) | epochs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "realised R (vs R) | p outside [0.1, 0.9) | p in [0.4, 0.6) | learned exp(a) | epochs | precision |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in summary["models"]:
         sd = f" ± {c['val_bpb_sd']:.4f}" if c["val_bpb_sd"] else ""
         gap = per = z = ""
@@ -95,8 +98,9 @@ def table(summary: dict) -> str:
         near = f"{c['near_half']:.1%}" if "near_half" in c else ""
         temp = f"{c['temperature']:.2f}" if c.get("temperature") else ""
         ep = f"{c['epochs']:.2f}" if c.get("epochs") is not None else ""
+        prec = ", ".join(c.get("precision", []))
         lines.append(f"| {c['label']} | {c['name']} | {len(c['seeds'])} | {c['val_bpb']:.4f}{sd} | {gap} | {per} | {z} | "
-                     f"{comp} | {dec} | {near} | {temp} | {ep} |")
+                     f"{comp} | {dec} | {near} | {temp} | {ep} | {prec} |")
     return "\n".join(lines) + "\n"
 
 
