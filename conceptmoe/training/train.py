@@ -167,8 +167,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                             [mc.n_experts] + ([mc.concept_experts] if mc.is_concept else []))
     with RunLock(out) if d.main else contextlib.nullcontext():
         stored = d.run_on_main(lambda: check_out_dir(tc, mc, out))
-        resumed = stored if stored is not None and ck.latest_checkpoint(out) is not None else None
-        dtype, used, dnote = _precision(tc, d.device, resumed)
+        ckpt = ck.latest_checkpoint(out) if stored is not None else None  # None: a fresh start
+        dtype, used, dnote = _precision(tc, d.device, stored if ckpt is not None else None)
         if tc.data == VLM_DATA:  # the image-text digits task (digits.py)
             from .digits import vlm_data
 
@@ -180,7 +180,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             print(dnote, file=sys.stderr)
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
-        if tc.init and (stored is None or ck.latest_checkpoint(out) is None):  # not resuming: start from --init
+        if tc.init and ckpt is None:  # not resuming: start from --init
             load_init_weights(model, tc.init, d.device)
         if d.main:  # all input (--init weights too) is valid: only now is the output folder touched
             if tc.force and not tc.resume:
@@ -195,7 +195,6 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         model = distributed.parallelize(model, d, mode, dtype, tc.expert_parallel)
         opt = make_optimizer(model, tc)
         step = 0
-        ckpt = ck.latest_checkpoint(out) if stored is not None else None
         if ckpt is not None:
             state = parallel_checkpoint.load(ckpt, model, opt, d)
             step = int(state["step"])
@@ -228,12 +227,13 @@ def _precision(tc: TrainConfig, device, resumed: dict | None) -> tuple[str, str,
     is the precisions in order of use, e.g. "bf16" or "bf16,fp32" when --dtype changed it."""
     before = (resumed or {}).get("precision")  # runs from before the record: unknown
     last = before.split(",")[-1] if before else None
+    default = default_dtype(device)  # bf16 on CUDA and on AMX / AVX512-BF16 CPUs
     if tc.dtype is None and last:
         note = f"precision: {last} (kept from the run being resumed; --dtype fp32|bf16 to change it)"
-        if last != default_dtype(device):
-            note += f"; this machine's default would be {default_dtype(device)}"
+        if last != default:
+            note += f"; this machine's default would be {default}"
         return last, before, note
-    dtype = tc.dtype or default_dtype(device)  # bf16 on CUDA and on AMX / AVX512-BF16 CPUs
+    dtype = tc.dtype or default
     note = dtype_note(device, dtype, tc.dtype)
     if last and last != dtype:
         note += f"; the run so far was trained in {before}"

@@ -50,12 +50,13 @@ def collect(dirs: list[Path]) -> dict:
         for m in rep["models"]:
             cell = models.setdefault(m["label"], {"label": m["label"], "name": m["name"], "ratio": m["ratio"],
                                                   "set": m.get("config", {}), "per_seed": {}})
+            precision = dict(zip(m["seeds"], m.get("precision", [])))  # reports from before the record: none
             for s, bpb in zip(m["seeds"], m["val_bpb_seeds"]):
                 run = d / m["label"] / f"seed{s}"
                 ev = json.loads((run / "eval.json").read_text())
                 row = {"val_bpb": bpb, "compression": ev.get("compression", 1.0),
                        "train_tokens_per_s": m["train_tokens_per_s"], "epochs": m.get("epochs"),
-                       "precision": json.loads((run / "config.json").read_text()).get("precision")}
+                       "precision": precision.get(s)}
                 if "p_histogram" in ev:
                     row.update(_shares(ev["p_histogram"]), p_histogram=ev["p_histogram"])
                     row["temperature"] = _temperature(run)
