@@ -1,14 +1,17 @@
 """Collect the continual-training runs of round 2 (issue 22) over seeds.
 
     python docs/study/round2/summarize_ct.py NAME runs/study22/ct-s0 runs/study22/ct-s1 ...
+    python docs/study/round2/summarize_ct.py NAME runs/study22/ct/s0 runs/study22/ct/s1 ...
 
-Each directory holds one seed: ``moe/`` (the MoE pretrained with `conceptmoe train --model moe`)
-and ``compare/`` (`conceptmoe compare --init DIR/moe`: the MoE continued and its conversions, the
-same extra tokens, the same seed). Pairs the conversions with the continued MoE of their seed and
-writes docs/study/round2/NAME/: summary.json and table.md (per model: held-out BPB at the switch and
-at the end, the switch cost and the final gap to the continued MoE as mean ± sd over seeds, the
-tokens each seed took to get back to the MoE's starting BPB), plus each seed's report.md,
-report.json and curves.png under a folder named as its directory (ct-sS).
+Each directory is one seed, either a folder holding ``moe/`` (the MoE pretrained with `conceptmoe
+train --model moe`) and ``compare/`` (`conceptmoe compare --init DIR/moe`: the MoE continued and its
+conversions, the same extra tokens, the same seed), or a `compare --init` output itself (its
+pretrained MoE is the run named in its report.json ``init``; several seeds may continue one
+pretrained MoE). Pairs the conversions with the continued MoE of their seed and writes
+docs/study/round2/NAME/: summary.json and table.md (per model: held-out BPB at the switch and at the
+end, the switch cost and the final gap to the continued MoE as mean ± sd over seeds, the tokens each
+seed took to get back to the MoE's starting BPB), plus each seed's report.md, report.json and
+curves.png under a folder named as its directory (ct-sS, sS).
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def _fmt(m: float, s: float | None, signed: bool = False) -> str:
 def collect(dirs: list[Path]) -> dict:
     seeds, models = {}, {}
     for d in dirs:
-        rep = json.loads((d / "compare" / "report.json").read_text())
-        seed = d.name  # the pretraining seed is the directory's (ct-sS); the CT seed is compare's
-        pre = json.loads((d / "moe" / "eval.json").read_text())
-        seeds[seed] = {"pretrain_val_bpb": pre["val_bpb"], "dir": str(d)}
+        ct = d / "compare" if (d / "compare" / "report.json").is_file() else d
+        rep = json.loads((ct / "report.json").read_text())
+        seed = d.name  # the directory's name (ct-sS: the pretraining seed; sS: the CT seed)
+        pre = json.loads((Path(rep["init"]) / "eval.json").read_text())
+        seeds[seed] = {"pretrain_val_bpb": pre["val_bpb"], "pretrained": rep["init"],
+                       "ct_seed": rep["settings"]["seed"], "dir": str(ct)}
         base = rep["models"][0]  # the continued MoE
         for r in rep["models"]:
             cell = models.setdefault(r["label"], {"label": r["label"], "name": r["name"], "per_seed": {}})
@@ -70,7 +75,10 @@ def table(summary: dict) -> str:
         lines.append(f"| {c['label']} | {c['name']} | {len(per)} | {_fmt(*c['val_bpb_start'])} | {_fmt(*c['val_bpb'])} "
                      f"| {_fmt(*c['switch_cost'], signed=True)} | {_fmt(*c['gap'], signed=True)} | {ratio} | {back} "
                      f"| {c['compression'][0]:.2f} | {next(iter(per.values()))['activated_mflops']:.2f} |")
-    pre = ", ".join(f"{s}: {v['pretrain_val_bpb']:.4f}" for s, v in sorted(summary["seeds"].items()))
+    pre = {}
+    for s, v in sorted(summary["seeds"].items()):
+        pre.setdefault((Path(v["pretrained"]).as_posix(), v["pretrain_val_bpb"]), []).append(s)
+    pre = "; ".join(f"{Path(run).parent.name}/{Path(run).name} ({', '.join(ss)}): {bpb:.4f}" for (run, bpb), ss in pre.items())
     return ("\n".join(lines) + f"\n\nThe pretrained MoEs' held-out BPB at the end of pretraining, on the whole "
             f"held-out split (the columns above use the CT runs' validation slice): {pre}.\n")
 
@@ -86,7 +94,7 @@ def main(argv: list[str]) -> None:
         dst = out / seed
         dst.mkdir(exist_ok=True)
         for f in ("report.md", "report.json", "curves.png"):
-            shutil.copyfile(Path(info["dir"]) / "compare" / f, dst / f)
+            shutil.copyfile(Path(info["dir"]) / f, dst / f)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     (out / "table.md").write_text(table(summary))
     print(table(summary))
