@@ -79,8 +79,11 @@ def table(summary: dict) -> str:
     for s, v in sorted(summary["seeds"].items()):
         pre.setdefault((Path(v["pretrained"]).as_posix(), v["pretrain_val_bpb"]), []).append(s)
     pre = "; ".join(f"{Path(run).parent.name}/{Path(run).name} ({', '.join(ss)}): {bpb:.4f}" for (run, bpb), ss in pre.items())
+    shared = len(summary["seeds"]) > 1 and len({v["pretrained"] for v in summary["seeds"].values()}) == 1
+    note = (" Every seed continues the same pretrained MoE: the sd is the spread over batch orders and "
+            "boundary samples only, not over pretrained models." if shared else "")
     return ("\n".join(lines) + f"\n\nThe pretrained MoEs' held-out BPB at the end of pretraining, on the whole "
-            f"held-out split (the columns above use the CT runs' validation slice): {pre}.\n")
+            f"held-out split (the columns above use the CT runs' validation slice): {pre}.{note}\n")
 
 
 def main(argv: list[str]) -> None:
