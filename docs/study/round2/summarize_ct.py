@@ -75,13 +75,13 @@ def table(summary: dict) -> str:
         lines.append(f"| {c['label']} | {c['name']} | {len(per)} | {_fmt(*c['val_bpb_start'])} | {_fmt(*c['val_bpb'])} "
                      f"| {_fmt(*c['switch_cost'], signed=True)} | {_fmt(*c['gap'], signed=True)} | {ratio} | {back} "
                      f"| {c['compression'][0]:.2f} | {next(iter(per.values()))['activated_mflops']:.2f} |")
-    pre = {}
+    by_run: dict[str, list[str]] = {}  # pretrained MoE -> the seeds that continue it
     for s, v in sorted(summary["seeds"].items()):
-        pre.setdefault((Path(v["pretrained"]).as_posix(), v["pretrain_val_bpb"]), []).append(s)
-    pre = "; ".join(f"{Path(run).parent.name}/{Path(run).name} ({', '.join(ss)}): {bpb:.4f}" for (run, bpb), ss in pre.items())
-    shared = len(summary["seeds"]) > 1 and len({v["pretrained"] for v in summary["seeds"].values()}) == 1
+        by_run.setdefault(v["pretrained"], []).append(s)
+    pre = "; ".join(f"{Path(run).parent.name}/{Path(run).name} ({', '.join(ss)}): "
+                    f"{summary['seeds'][ss[0]]['pretrain_val_bpb']:.4f}" for run, ss in by_run.items())
     note = (" Every seed continues the same pretrained MoE: the sd is the spread over batch orders and "
-            "boundary samples only, not over pretrained models." if shared else "")
+            "boundary samples only, not over pretrained models." if len(by_run) == 1 < len(summary["seeds"]) else "")
     return ("\n".join(lines) + f"\n\nThe pretrained MoEs' held-out BPB at the end of pretraining, on the whole "
             f"held-out split (the columns above use the CT runs' validation slice): {pre}.{note}\n")
 
