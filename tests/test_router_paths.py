@@ -100,6 +100,28 @@ def test_confidence_term_adds_4p1mp_and_pushes_p_from_the_threshold():
         for p in params:
             p -= 0.05 * p.grad
     assert (conf(x).chunks.p[:, 1:] - 0.5).abs().mean().item() > spread
+    # The trainer's scheduled weight (confidence_now) replaces the config's: 0 takes the term off.
+    conf.load_state_dict(plain.state_dict())  # undo the step above
+    conf.confidence_now = 0.0
+    torch.testing.assert_close(conf(x, labels=x).loss, plain(x, labels=x).loss)
+    conf.confidence_now = 0.25
+    want = plain(x, labels=x).loss + 0.25 * (4 * q * (1 - q)).mean()
+    torch.testing.assert_close(conf(x, labels=x).loss, want, atol=1e-6, rtol=0)
+
+
+def test_confidence_term_switches_on_at_its_start_fraction():
+    import pytest
+    from conceptmoe.model.chunking import confidence_weight_at
+    from conceptmoe.model.config import ModelConfig, parse_overrides
+
+    cfg = ModelConfig.from_preset("tiny", kind="conceptmoe", router_confidence_weight=0.2)
+    assert [confidence_weight_at(cfg, s, 10) for s in range(10)] == [0.2] * 10  # start 0: always on
+    late = cfg.replace(router_confidence_start=0.6)
+    assert [confidence_weight_at(late, s, 10) for s in range(10)] == [0.0] * 6 + [0.2] * 4
+    assert parse_overrides(["router_confidence_start=0.5"]) == {"router_confidence_start": 0.5}
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="router_confidence_start"):
+            cfg.replace(router_confidence_start=bad)
 
 
 def test_learned_temperature_scales_the_logit_of_p_in_forward_and_step():

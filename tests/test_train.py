@@ -169,3 +169,26 @@ def test_trainer_anneals_the_boundary_sharpness(corpus, tmp_path, monkeypatch):
     train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "const"), max_steps=3, eval_every=0,
                       val_tokens=200, dtype="fp32", overrides={"boundary_sharpness": 2.0}))
     assert seen == [2.0] * 3
+
+
+def test_trainer_switches_the_confidence_term_on_late(corpus, tmp_path, monkeypatch):
+    """router_confidence_start: the trainer sets the model's weight from confidence_weight_at at
+    every step (off for the first 60% of 5 steps, then 0.5); without a start it never overrides."""
+    import conceptmoe.model.lm as lm
+
+    seen, real = [], lm.ConceptMoELM.forward
+
+    def spy(self, *a, **k):
+        if self.training:
+            seen.append(self.confidence_now)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(lm.ConceptMoELM, "forward", spy)
+    conf = {"router_confidence_weight": 0.5}
+    train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "late"), max_steps=5, eval_every=0,
+                      val_tokens=200, dtype="fp32", overrides={**conf, "router_confidence_start": 0.6}))
+    assert seen == [0.0, 0.0, 0.0, 0.5, 0.5]
+    seen.clear()
+    train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path / "always"), max_steps=3, eval_every=0,
+                      val_tokens=200, dtype="fp32", overrides=conf))
+    assert seen == [None] * 3

@@ -165,6 +165,13 @@ def sharpness_at(cfg, step: int, total: int) -> float:
     return s0 + (s1 - s0) * min(max(step, 0), total - 1) / (total - 1)
 
 
+def confidence_weight_at(cfg, step: int, total: int) -> float:
+    """The confidence term's weight at optimizer step ``step`` of ``total``: 0 for the first
+    ``router_confidence_start`` fraction of the steps, ``router_confidence_weight`` from there."""
+    on = step >= cfg.router_confidence_start * total
+    return cfg.router_confidence_weight if on else 0.0
+
+
 def sharpen(p: torch.Tensor, s: float) -> torch.Tensor:
     """Push p toward 0/1: p^(1/s) from 0.5 up, 1 - (1-p)^(1/s) below (sharpness s).
 

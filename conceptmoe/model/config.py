@@ -82,6 +82,10 @@ class ModelConfig:
     # Weight of a confidence term, mean of 4·p·(1 - p) over positions after the first: 1 at
     # p = 0.5, 0 at p in {0, 1}, so it pushes the router away from the threshold (0: off).
     router_confidence_weight: float = 0.0
+    # The fraction of the optimizer steps during which the confidence term is off (0: on from the
+    # first step); from there it has its full weight: the router first learns where to cut, then
+    # is pushed to decide (chunking.confidence_weight_at).
+    router_confidence_start: float = 0.0
     concept_pooling: str = "boundary"  # "boundary": c_j = h at boundary; "mean": mean since last
     joint_decoding: bool = True
     joint_layers: int | None = None  # joint decoding in the last K decoder layers (None: all of them)
@@ -138,6 +142,8 @@ class ModelConfig:
         for name in ("balance_loss_weight", "router_z_loss_weight", "ratio_loss_weight", "router_confidence_weight"):
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0")
+        if not 0 <= self.router_confidence_start < 1:
+            bad("router_confidence_start", "must be a fraction of the training steps in [0, 1)")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             bad("rope_theta", "rope_theta and norm_eps must be > 0")
         self._check_images(bad)

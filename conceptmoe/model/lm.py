@@ -211,6 +211,7 @@ class ConceptMoELM(LanguageModel):
         # The training-time boundary sharpness now (the trainer sets it when it is annealed,
         # chunking.sharpness_at); None: cfg.boundary_sharpness.
         self.sharpness_now: float | None = None
+        self.confidence_now: float | None = None  # the trainer's scheduled confidence weight
         # Elastic models (cfg.elastic_ratios) are told each row's R (model/elastic.py).
         self.ratio_embed = RatioEmbedding(cfg.elastic_ratios, cfg.d_model, cfg.ratio_embedding,
                                           cfg.compression_ratio) if cfg.elastic_ratios else None
@@ -308,9 +309,10 @@ class ConceptMoELM(LanguageModel):
                  **modality_stats(img, b, real)}
         use_ratio = cfg.chunk_router != "fixed"
         router_loss = cfg.ratio_loss_weight * rl if use_ratio else None
-        if use_ratio and cfg.router_confidence_weight > 0 and p.shape[1] > 1:
+        conf = cfg.router_confidence_weight if self.confidence_now is None else self.confidence_now
+        if use_ratio and conf > 0 and p.shape[1] > 1:
             q = p[:, 1:].float()  # position 0 is a boundary by definition
-            router_loss = router_loss + cfg.router_confidence_weight * (4 * q * (1 - q)).mean()
+            router_loss = router_loss + conf * (4 * q * (1 - q)).mean()
         out = self._finish(x, self._text_labels(labels, img), balance, z_loss, extra, router_loss)
         out.boundaries, out.chunks = b, ch
         return out

@@ -32,7 +32,7 @@ MAX_SEED = 2**32 - 1  # seeds are mixed with step counts into 64-bit generator s
 # ConceptMoE fields that do not change the compute match: re-applied after matching.
 CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "boundary_sharpness_final",
                 "router_temperature", "ratio_loss_weight", "router_confidence_weight",
-                "concept_pooling", "joint_decoding", "elastic_ratios", "ratio_embedding")
+                "router_confidence_start", "concept_pooling", "joint_decoding", "elastic_ratios", "ratio_embedding")
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
                               "concept_loops", "concept_n_experts", "concept_top_k")

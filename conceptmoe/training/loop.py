@@ -38,7 +38,7 @@ from . import parallel_checkpoint
 from .config import TrainConfig
 from .elastic import sample_ratios
 from ..data.corpus import BatchSampler
-from ..model.chunking import sharpness_at
+from ..model.chunking import confidence_weight_at, sharpness_at
 from ..parallel.distributed import Dist
 from .signals import StopOnSignal
 
@@ -207,6 +207,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
             u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
             if cfg.is_concept and cfg.boundary_sharpness_final is not None:  # annealed boundary samples
                 lp.raw.sharpness_now = sharpness_at(cfg, step, total)
+            if cfg.is_concept and cfg.router_confidence_start > 0:  # confidence term switched on late
+                lp.raw.confidence_now = confidence_weight_at(cfg, step, total)
             if elastic:  # each sequence's target R, sliced with the rows (training/elastic.py)
                 batch = {**batch, "ratio": sample_ratios(tc.seed, step * x.shape[0], x.shape[0], elastic)}
             lp.opt.zero_grad(set_to_none=True)
