@@ -1,6 +1,6 @@
 """How much of a ConceptMoE's gap to its paired MoE is in-context copying.
 
-    python docs/study/round2/copy_gap.py MOE_RUN CONCEPTMOE_RUN [MOE_RUN CONCEPTMOE_RUN ...] [--windows 64] [--json OUT]
+    python docs/study/round2/copy_gap.py MOE_RUN CONCEPTMOE_RUN [MOE_RUN CONCEPTMOE_RUN ...] [--windows 64] [--json OUT [--append]]
 
 Each pair is scored on the same held-out windows (as gap_by_position.py: windows of the run's
 training length spread evenly over the held-out split, fp32, the ConceptMoE with its eval-mode
@@ -23,6 +23,7 @@ to near zero on the second half. The runs of a pair must share tokenizer and hel
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -95,9 +96,16 @@ def main() -> int:
     ap.add_argument("runs", nargs="+", help="MOE_RUN CONCEPTMOE_RUN pairs")
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--json")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the pairs already in --json (a pair scored again replaces its old entry)")
     args = ap.parse_args()
     if len(args.runs) % 2:
         ap.error("give the runs in pairs: MOE_RUN CONCEPTMOE_RUN ...")
+    old = []
+    if args.append:
+        if not args.json or not Path(args.json).is_file():
+            ap.error("--append needs an existing --json file")
+        old = json.loads(Path(args.json).read_text())
     torch.manual_seed(0)
     results = []
     for moe_dir, cm_dir in zip(args.runs[::2], args.runs[1::2]):
@@ -115,7 +123,8 @@ def main() -> int:
               f"{p['moe_second_half']:.2f}, ConceptMoE {p['conceptmoe_first_half']:.2f} -> "
               f"{p['conceptmoe_second_half']:.2f}")
     if args.json:
-        write_json(Path(args.json), results)
+        new = {(r["moe"], r["conceptmoe"]) for r in results}
+        write_json(Path(args.json), [r for r in old if (r["moe"], r["conceptmoe"]) not in new] + results)
     return 0
 
 

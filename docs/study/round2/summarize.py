@@ -1,6 +1,10 @@
 """Collect round 2 of the MoE-versus-ConceptMoE study (issue 22) from `conceptmoe compare` outputs.
 
     python docs/study/round2/summarize.py BUDGET_NAME runs/study22/r1.2M-s0 runs/study22/r1.2M-s1 ...
+    python docs/study/round2/summarize.py BUDGET_NAME --keep docs/study/round2/BUDGET_NAME/summary.json NEWDIR
+
+--keep SUMMARY.json carries the per-seed rows of an earlier summary over (runs whose directories are
+gone: a fresh machine keeps only the repository); a seed that is also in a directory is read anew.
 
 Each directory is one `compare` (one or more seeds, the same budget, data and variants); they are
 merged by model label and paired by seed (a seed fixes the initialisation and the batch order, so
@@ -41,9 +45,14 @@ def _temperature(run: Path) -> float | None:
         return float(f.get_tensor("chunk.log_scale").exp()) if "chunk.log_scale" in f.keys() else None
 
 
-def collect(dirs: list[Path]) -> dict:
+def collect(dirs: list[Path], keep: list[dict] = ()) -> dict:
     models: dict[str, dict] = {}
     settings = None
+    for old in keep:
+        settings = settings or old["settings"]
+        for m in old["models"]:
+            cell = models.setdefault(m["label"], {k: m[k] for k in ("label", "name", "ratio", "set")} | {"per_seed": {}})
+            cell["per_seed"].update({int(s): row for s, row in m["per_seed"].items()})
     for d in dirs:
         rep = json.loads((d / "report.json").read_text())
         settings = settings or {k: rep["settings"][k] for k in ("preset", "data", "tokens", "batch_size", "lr")}
@@ -130,10 +139,17 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__)
         return 2
-    name, dirs = argv[0], [Path(a) for a in argv[1:]]
+    name, rest, keep = argv[0], argv[1:], []
+    while rest[:1] == ["--keep"]:
+        if len(rest) < 2 or not Path(rest[1]).is_file():
+            print(f"error: --keep needs an existing summary.json, got {rest[1] if len(rest) > 1 else 'nothing'}", file=sys.stderr)
+            return 2
+        keep.append(json.loads(Path(rest[1]).read_text()))
+        rest = rest[2:]
+    dirs = [Path(a) for a in rest]
     out = HERE / name
     out.mkdir(parents=True, exist_ok=True)
-    summary = collect(dirs)
+    summary = collect(dirs, keep)
     for d in dirs:
         (out / d.name).mkdir(exist_ok=True)
         for f in ("report.md", "report.json", "curves.png", "p_hist.png"):
