@@ -11,17 +11,13 @@ base is better). Works on runs still training: the last rows are where both have
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from conceptmoe.training.checkpoint import read_metrics
 
 
 def val_points(run: Path) -> dict[int, float]:
-    points = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line) if line.strip() else {}
-        if "val_bpb" in rec:
-            points[rec["tokens"]] = rec["val_bpb"]  # a resumed run re-logs a point: the last one counts
-    return points
+    return {rec["tokens"]: rec["val_bpb"] for rec in read_metrics(run) if "val_bpb" in rec}
 
 
 def main() -> int:
