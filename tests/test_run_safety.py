@@ -185,6 +185,16 @@ def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(corpus, tmp_pat
     assert not (out / "eval.json").exists()
 
 
+def test_a_failed_start_does_not_block_the_next_train(corpus, tmp_path):
+    out = tmp_path / "run"
+    res = run_cli(*_train_args(corpus, out, 30, "--model", "moe", "--lr", "1000", "--save-every", "100"))
+    assert res.returncode == 2 and ck.is_run(out) and ck.latest_checkpoint(out) is None, res.stderr
+    res = run_cli(*_train_args(corpus, out, 3, "--model", "moe"))  # not "already holds a run"
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in ck.read_metrics(out)] == [1, 2, 3] and (out / "eval.json").is_file()
+    _one_line_error(run_cli(*_train_args(corpus, out, 3, "--model", "moe")), "already holds a run")
+
+
 def test_skip_bad_steps_is_bounded(corpus, tmp_path):
     res = run_cli(*_train_args(corpus, tmp_path / "run", 30, "--model", "moe", "--lr", "1000",
                                "--skip-bad-steps", "3"))

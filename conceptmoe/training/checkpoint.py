@@ -67,6 +67,14 @@ def is_run(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "config.json").is_file()
 
 
+def never_trained(run_dir: str | Path) -> bool:
+    """A run folder from a start that failed before anything was kept: a config but no checkpoint,
+    no weights and no evaluation. It is not a run: the next ``train`` there starts over."""
+    run_dir = Path(run_dir)
+    return (is_run(run_dir) and latest_checkpoint(run_dir) is None
+            and not any((run_dir / f).exists() for f in ("model.safetensors", "eval.json")))
+
+
 def remove_run(run_dir: Path) -> None:
     """Delete a run's own files (``--force``); anything else in the folder is left alone."""
     for name in RUN_FILES:

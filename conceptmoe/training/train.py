@@ -105,6 +105,8 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
             raise UserError(f"--resume: {out} holds trained weights but no checkpoint to resume from "
                             f"({ck.CKPT_DIR}/ is missing or damaged); nothing was changed")
         return stored
+    if ck.never_trained(out):  # a failed start kept nothing: its files are rewritten below
+        return None
     if ck.is_run(out):
         if not tc.force:
             raise UserError(f"{out} already holds a run; use --resume to continue it or --force to replace it")
