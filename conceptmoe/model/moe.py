@@ -162,7 +162,8 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.randn(n_experts, hidden, d) * hidden ** -0.5)
         self.shared = SwiGLU(d, n_shared * (shared_hidden or hidden)) if n_shared else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if (n_shared and shared_gate) else None
-        # (module, rows grouped by global expert, counts (E,), grouped) -> outputs in the same order;
+        # (module, rows grouped by global expert, counts (E,), grouped, routing weights (M, 1)) ->
+        # weighted outputs in the same order;
         # set by expert parallelism (parallel/expert_parallel.py), None: all experts are here.
         self.expert_dispatch: Callable | None = None
 
@@ -239,8 +240,11 @@ class MoE(nn.Module):
         tok = order // K  # token of each sorted slot
         counts = torch.bincount(flat, minlength=self.n_experts)
         if self.expert_dispatch is not None:  # experts on other processes (installed from outside)
-            ws = w.flatten()[order, None].to(x.dtype)  # (N*K, 1) routing weight of each sorted slot
-            return torch.zeros_like(x).index_add_(0, tok, self.expert_dispatch(self, x[tok], counts, grouped) * ws)
+            # the rows travel and the experts run in the compute dtype (bf16 under autocast), the
+            # routing weights scale the hidden activations: the arithmetic of the local path below
+            ws = w.flatten()[order, None].to(xc.dtype)  # (N*K, 1) routing weight of each sorted slot
+            out = self.expert_dispatch(self, _GatherRows.apply(xc, tok), counts, grouped, ws)  # (N*K, D)
+            return x.new_zeros(x.shape).index_add_(0, tok, out.to(x.dtype))
         ws = w.flatten()[order, None].to(xc.dtype)
         if grouped and x.device.type == "cpu" and xc.dtype != torch.float32:
             cap = int(_round_rows(counts.max(), CPU_GROUP_ROWS))  # one host sync, as the padding's

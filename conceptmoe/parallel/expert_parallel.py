@@ -78,12 +78,15 @@ def shard(model: nn.Module, ep: EPGroup) -> None:
         keep = _local(moe.n_experts, ep)
         for name in EXPERT_WEIGHTS:
             setattr(moe, name, nn.Parameter(getattr(moe, name).detach()[keep].clone()))
-        moe.expert_dispatch = lambda m, xs, counts, grouped, ep=ep: dispatch(m, xs, counts, grouped, ep)
+        moe.expert_dispatch = lambda m, xs, counts, grouped, scale, ep=ep: dispatch(m, xs, counts, grouped, ep, scale)
     model.expert_parallel = ep
 
 
-def dispatch(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, grouped: bool, ep: EPGroup) -> torch.Tensor:
-    """Expert outputs for rows xs (M, D) sorted by global expert, computed where the experts live."""
+def dispatch(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, grouped: bool, ep: EPGroup,
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert outputs for rows xs (M, D) sorted by global expert, computed where the experts live
+    (in xs's dtype: bf16 rows under autocast). ``scale`` (M, 1): routing weights, which travel with
+    the rows and scale the hidden activations (``MoE.expert_ffn``)."""
     S, E, D = ep.size, moe.n_experts, xs.shape[1]
     L = E // S
     every = [torch.zeros_like(counts) for _ in range(S)]
@@ -98,7 +101,9 @@ def dispatch(moe: MoE, xs: torch.Tensor, counts: torch.Tensor, grouped: bool, ep
     perm = torch.cat([torch.arange(int(start[s * L + e]), int(start[s * L + e] + flat[s * L + e]), device=xs.device)
                       for e in range(L) for s in range(S)]) if xr.shape[0] else torch.zeros(0, dtype=torch.long,
                                                                                                 device=xs.device)
-    out = moe.expert_ffn(xr[perm], recv.sum(0), grouped)
+    sr = None if scale is None else \
+        all_to_all_single(scale.new_empty(sum(recv_sizes), 1), scale, recv_sizes, send_sizes, group=ep.group)[perm]
+    out = moe.expert_ffn(xr[perm], recv.sum(0), grouped, scale=sr)
     back = out[torch.argsort(perm)]  # source-major again
     return all_to_all_single(xs.new_empty(sum(send_sizes), D), back, send_sizes, recv_sizes, group=ep.group)
 
