@@ -210,11 +210,13 @@ def test_bf16_two_processes_equal_one(runs, mode):
     # Step 1's forward sees the same rows in the same dtype in every mode: only the order of the
     # fp32 sums differs, so its loss matches one process to fp32 rounding (DDP: 2.4e-7). Experts
     # that ran on the fp32 rows (or scaled their bf16 outputs instead of the hidden activations,
-    # as the local path does) put EP 7e-6 (3e-6) away. Later steps follow the fp32 tolerance.
+    # as the local path does) put EP 7e-6 (3e-6) away. The gradients are not alike: autocast rounds
+    # each weight gradient to bf16 once per process (128 rows' sum vs 256), which moves the norm by
+    # ~1e-4 relative (DDP at step 1: 1.0e-4), hence the bf16 tolerance of the FSDP test.
     rows, ref = _rows(runs, f"bf16-{mode}"), _rows(runs, "bf16-one")
     assert len(ref) == 2
     assert abs(rows[0]["loss"] - ref[0]["loss"]) <= 1e-6, (rows[0]["loss"], ref[0]["loss"])
-    _assert_equal(rows, ref)
+    _assert_equal(rows, ref, tol=1e-3)
     if mode == "ep":  # EP and DDP reduce the same bf16 products: grad norms 1.2e-7 apart (fp32 rows: 2.2e-5)
         ddp = _rows(runs, "bf16-ddp")
         assert abs(rows[0]["grad_norm"] - ddp[0]["grad_norm"]) / ddp[0]["grad_norm"] <= 2e-6

@@ -34,6 +34,29 @@ QK_NORMS = ("none", "head", "full")
 RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
 ROUTER_TEMPERATURES = ("none", "learned")  # model/chunking.py
 ATTN_BIASES = ("none", "qkv", "qkvo")
+MAX_TRAINED_RATIO = 64  # tokens per concept; the paper uses 1.5-4
+# Trained ratios at least 1% apart: the ratio embedding interpolates in log R between neighbours,
+# and two nearly equal ones divide by ~0 (2 and 2.0000000001 gave NaN at step 1; issue 41).
+MIN_RATIO_GAP = 1.01
+
+
+def ratio_set_problem(rs: Any) -> str | None:
+    """Why a list of trained ratios (elastic_ratios, --ratios) cannot be trained (None: it can).
+    The one check of every path: ``--ratios``, ``--set elastic_ratios``, stored and converted configs."""
+    import math
+
+    if not (isinstance(rs, list) and len(rs) >= 2 and all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                                                          for r in rs)):
+        return "give at least two ratios"
+    if not all(math.isfinite(r) and 1 < r <= MAX_TRAINED_RATIO for r in rs):
+        return f"every ratio must be > 1 and <= {MAX_TRAINED_RATIO}"
+    if any(b <= a for a, b in zip(rs, rs[1:])):
+        return "the ratios must increase, each given once (e.g. 1.5,2,3)"
+    close = [(a, b) for a, b in zip(rs, rs[1:]) if b < a * MIN_RATIO_GAP]
+    if close:
+        return (f"{close[0][0]!r} and {close[0][1]!r} are too close: neighbouring ratios must differ by at least "
+                f"{MIN_RATIO_GAP - 1:.0%}")
+    return None
 
 
 @dataclass
@@ -148,6 +171,8 @@ class ModelConfig:
             bad("rope_theta", "rope_theta and norm_eps must be > 0")
         self._check_images(bad)
         if self.kind == "moe":
+            if self.elastic_ratios is not None:
+                bad("elastic_ratios", "elastic ratios train a ConceptMoE; a plain MoE has no concepts")
             return
         if not (self.compression_ratio > 1 or (self.compression_ratio == 1 and self.chunk_router == "fixed")):
             bad("compression_ratio", "ConceptMoE needs R > 1 (R = 1 only with chunk_router='fixed')")
@@ -184,9 +209,9 @@ class ModelConfig:
         rs = self.elastic_ratios
         if rs is None:
             return
-        if not (isinstance(rs, list) and len(rs) >= 2 and all(isinstance(r, (int, float)) and r > 1 for r in rs)
-                and rs == sorted(set(rs))):
-            bad("elastic_ratios", "must be None or an increasing list of at least two ratios > 1")
+        why = ratio_set_problem(rs)
+        if why:
+            bad("elastic_ratios", why)
         if not rs[0] <= self.compression_ratio <= rs[-1]:
             bad("compression_ratio", f"the design ratio must lie in the trained range [{rs[0]:g}, {rs[-1]:g}]")
         if self.chunk_router == "fixed" or self.image_size:
@@ -375,7 +400,7 @@ FLOAT_NULLABLE = ("image_compression_ratio", "boundary_sharpness_final")  # floa
 def _coerce(key: str, raw: str, default: Any) -> Any:
     if key == "elastic_ratios":  # a comma list of ratios, or none
         try:
-            return None if raw.lower() in ("none", "null") else sorted(float(r) for r in raw.split(","))
+            return None if raw.lower() in ("none", "null") else [float(r) for r in raw.split(",")]
         except ValueError:
             raise ValueError(f"--set elastic_ratios: cannot parse {raw!r} as ratios like 1.5,2,3,4") from None
     if raw.lower() in ("none", "null") and key in NULLABLE + FLOAT_NULLABLE:

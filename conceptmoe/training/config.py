@@ -132,6 +132,8 @@ class TrainConfig:
         self.ratios = parse_ratios(self.ratios)
         if self.ratios and self.model == "moe":
             raise UserError("--ratios trains an elastic ConceptMoE; it cannot be combined with --model moe")
+        if self.ratios and "elastic_ratios" in self.overrides:
+            raise UserError("--ratios and --set elastic_ratios both set the trained ratios: give one of them")
         self.data = resolve_data(self.data)  # stored resolved: resumable from anywhere
         if self.init is not None:
             if self.strategy:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..model.config import ratio_set_problem
 
 _MASK = (1 << 64) - 1
 
@@ -31,11 +32,9 @@ def parse_ratios(spec) -> list[list[float]] | None:
     except (ValueError, IndexError, TypeError):
         raise UserError(f"--ratios: expected ratios like 1.5,2,3,4 or 1.5:1,2:2 (got {spec!r})") from None
     pairs.sort()
-    rs = [r for r, _ in pairs]
-    if len(rs) < 2 or len(set(rs)) != len(rs):
-        raise UserError(f"--ratios: give at least two different ratios (got {spec!r})")
-    if not all(math.isfinite(r) and 1 < r <= 64 for r in rs):
-        raise UserError(f"--ratios: every ratio must be > 1 and <= 64 (got {spec!r})")
+    why = ratio_set_problem([r for r, _ in pairs])
+    if why:
+        raise UserError(f"--ratios: {why} (got {spec!r})")
     if not all(math.isfinite(w) and w > 0 for _, w in pairs):
         raise UserError(f"--ratios: every weight must be a finite number > 0 (got {spec!r})")
     return pairs
