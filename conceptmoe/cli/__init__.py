@@ -15,7 +15,7 @@ import sys
 
 from .. import __version__
 from ..errors import Interrupted, UserError
-from . import bench, compute, convert, frontier, generate, interop, prepare, training
+from . import bench, compute, convert, frontier, generate, interop, prepare, serve, training
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"conceptmoe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for group in (compute, prepare, training, generate, bench, interop, convert, frontier):
+    for group in (compute, prepare, training, generate, serve, bench, interop, convert, frontier):
         group.register(sub)
     return parser
 

@@ -1,0 +1,39 @@
+"""``conceptmoe serve``: an OpenAI-compatible server over a run (CONCEPTMOE.md §4; ``serve/``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a run over OpenAI's completions API (continuous batching)",
+                       description="Serve a run (MoE, ConceptMoE, elastic, imported or converted) over OpenAI's "
+                                   "completions API: continuous batching over the concept-level KV cache, a "
+                                   "memory-budgeted KV pool, /metrics and a playground at /. Needs the extra "
+                                   "`serve` (pip install -e \".[serve]\").")
+    p.add_argument("run", metavar="RUN", help="run directory (conceptmoe train / import-hf / convert)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--kv-cache-mb", type=float, default=256.0,
+                   help="bytes all requests' KV caches may hold, in MiB (default 256)")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests queued for admission; past it new ones get 503 (default 256)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens (prompt + completion) per request (default: the run's training length)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV caches (default fp32)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT (default 10)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from ..serve.server import ServeConfig, serve
+    except ImportError as e:
+        raise UserError(f"serving needs the extra `serve`: pip install -e \".[serve]\" ({e})") from None
+    return serve(ServeConfig(args.run, args.host, args.port, args.kv_cache_mb, args.max_batch, args.max_waiting,
+                             args.max_model_len, args.dtype, args.device, args.grace))
