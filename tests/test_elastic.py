@@ -265,7 +265,7 @@ def test_cli_ratio_flags_and_frontier(elastic_run, tmp_path, capsys):
                 ["generate", str(elastic_run), "--prompt", "To be"]):
         assert main(cmd + ["--ratio", "6", "--device", "cpu"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith("error: R=6 is outside the trained range [1.5, 4]") and err.count("\n") == 1
+        assert err.startswith("error: --ratio: R=6 is outside the trained range [1.5, 4]") and err.count("\n") == 1
     assert main(["boundaries", str(elastic_run), "--text", "To be, or not to be, that is the question",
                  "--ratio", "6", "--extrapolate", "--device", "cpu"]) == 0
     assert "target R = 6" in capsys.readouterr().out

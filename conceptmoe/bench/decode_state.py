@@ -25,7 +25,7 @@ def _fill(cache: KVCache, n: int, g: torch.Generator) -> None:
 
 
 def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0,
-                    ratio: float | None = None) -> InferenceState:
+                    ratio: float | None = None, extrapolate: bool = False) -> InferenceState:
     """A decode state as if ``kv`` tokens (and kv/R concepts) per row had been prefilled;
     ``ratio``: the R asked of an elastic model (its rows carry that ratio's embedding)."""
     cfg, p = model.cfg, next(model.parameters())
@@ -43,7 +43,7 @@ def synthetic_state(model, batch: int, kv: int, extra: int, seed: int = 0,
     _fill(concepts, n_con, g)
     D = cfg.d_model
     chunk = ChunkState(last_key=torch.randn(batch, D, generator=g).to(p),
-                       ratio=model.ratio_terms(ratio, batch, p.device))
+                       ratio=model.ratio_terms(ratio, batch, p.device, extrapolate))
     if cfg.concept_pooling == "mean":
         chunk.pool_sum = torch.zeros(batch, D).to(p)
         chunk.pool_count = torch.zeros(batch, dtype=torch.long, device=p.device)

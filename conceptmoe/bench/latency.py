@@ -81,6 +81,7 @@ class BenchModel:
     strategy: str | None = None  # match strategy; None for the baseline and trained runs
     calibrate: bool = False  # untrained router: set it to hit the target ratio
     request: float | None = None  # the R asked of an elastic run (None: its design ratio)
+    extrapolate: bool = False  # request lies outside the trained range, as --extrapolate allowed
 
     @property
     def cfg(self) -> ModelConfig:
@@ -116,7 +117,8 @@ def build_bench_models(s: LatencySettings, load_run=None) -> list[BenchModel]:
         for r in s.run_ratios or [None]:
             r = require_ratio(model.cfg, r, s.extrapolate)
             at = "" if r is None else f"@R{r:g}"
-            out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]{at}", model, request=r))
+            out.append(BenchModel(f"{model.cfg.name}[{Path(run).name}]{at}", model, request=r,
+                                  extrapolate=s.extrapolate))
     for b in out:
         b.model.to(device=dev, dtype=dtype).eval()
         if s.compile:
@@ -167,7 +169,8 @@ def _time_prefill(b: BenchModel, ids: torch.Tensor) -> tuple[float, InferenceSta
     dev = ids.device
     _sync(dev)
     t0 = time.perf_counter()
-    out, st = prefill(b.model, ids) if b.request is None else prefill(b.model, ids, ratio=b.request)
+    out, st = (prefill(b.model, ids) if b.request is None
+               else prefill(b.model, ids, ratio=b.request, extrapolate=b.extrapolate))
     _sync(dev)
     return time.perf_counter() - t0, st, out.boundary
 
@@ -238,7 +241,7 @@ def bench_decode(models: list[BenchModel], s: LatencySettings, log=print,
     for kv in s.kv_lens:
         states, snaps = {}, {}
         for b in models:
-            st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed, b.request)
+            st = synthetic_state(b.model, s.batch, kv, s.decode_steps, s.seed, b.request, b.extrapolate)
             if b.calibrate:
                 calibrate_decode(b.model, b.ratio, st, tokens, s.seed)
             else:  # warm-up pass

@@ -51,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(args.seed)
     stats = TextStats()
     for piece in stream_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.top_p, gen, args.show_concepts, stats, eos, ratio):
+                             args.top_p, gen, args.show_concepts, stats, eos, ratio, args.extrapolate):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concept-ratio", type=float, metavar="R",
                    help="an elastic ConceptMoE: the default R written to the config's concept_ratio "
                         "(inside the trained range; default: the design ratio)")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="with --concept-ratio: allow an R outside the trained range (at most 2x beyond it); "
+                        "the exported config then accepts such an R per call too")
     p.add_argument("--force", action="store_true", help="replace what is already in --out")
     p.set_defaults(func=cmd_export)
 
@@ -46,6 +49,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = export_hf(args.run, args.out, arch=args.arch, force=args.force, concept_ratio=args.concept_ratio)
+    out = export_hf(args.run, args.out, arch=args.arch, force=args.force, concept_ratio=args.concept_ratio,
+                    extrapolate=args.extrapolate)
     print(f"exported {args.run} -> {out}")
     return 0

@@ -225,7 +225,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
         raise UserError(f"{args.run} is a vision-language run (word vocabulary, images); --tasks evaluates text "
                         f"models: use conceptmoe eval {args.run}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device, ratio=args.ratio)
+    res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device, ratio=args.ratio,
+                         extrapolate=args.extrapolate)
     print(json.dumps(res, sort_keys=True) if args.json else format_table(res))
     return 0
 

@@ -71,7 +71,7 @@ def find_boundaries(run_dir: str | Path, text: str, device: str = "auto", ratio:
     if not cfg.is_concept:
         raise UserError(f"{run_dir} is a plain MoE run: it has no concept boundaries")
     ratio = require_ratio(cfg, ratio, extrapolate)
-    extra = {} if ratio is None else {"ratio": ratio}
+    extra = {} if ratio is None else {"ratio": ratio, "extrapolate": extrapolate}
     enc = tok.encode(text)
     ids = torch.tensor(enc.ids, dtype=torch.long)
     seq_len = int(run_cfg.get("train", {}).get("seq_len", 256))

@@ -55,7 +55,8 @@ class ConceptMoEHarnessLM(TemplateLM):
 
     def __init__(self, run: str | None = None, model: torch.nn.Module | None = None, tokenizer=None,
                  device: str = "cpu", batch_size: int | str = 16, max_length: int | None = None,
-                 prefix_token_id: int | None = None, concept_ratio: float | None = None, **kwargs: Any) -> None:
+                 prefix_token_id: int | None = None, concept_ratio: float | None = None,
+                 extrapolate: bool = False, **kwargs: Any) -> None:
         super().__init__()
         run_cfg: dict = {}
         if run is not None:
@@ -63,8 +64,15 @@ class ConceptMoEHarnessLM(TemplateLM):
         if model is None or tokenizer is None:
             raise ValueError("ConceptMoEHarnessLM needs run= or model= and tokenizer=")
         self.model, self.tokenizer = model.eval(), tokenizer
-        # An elastic ConceptMoE's R (``--model_args concept_ratio=R``; None: its design ratio).
-        self._at = {} if concept_ratio is None else {"ratio": float(concept_ratio)}
+        # An elastic ConceptMoE's R (``--model_args concept_ratio=R``; None: its design ratio),
+        # outside the trained range only with ``extrapolate`` (checked now, not at the first request).
+        self._at = {} if concept_ratio is None else {"ratio": float(concept_ratio), "extrapolate": bool(extrapolate)}
+        if self._at:
+            from ..model.elastic import check_ratio
+
+            why = check_ratio(model.cfg, [self._at["ratio"]], self._at["extrapolate"], flag="concept_ratio")
+            if why:
+                raise ValueError(why)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 16
         self._max_length = int(max_length) if max_length else run_max_length(run_cfg) if run_cfg else DEFAULT_MAX_LENGTH
         ids = token_ids(run_cfg, tokenizer)

@@ -40,9 +40,10 @@ def _clean(block: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def evaluate_tasks(run: str | Path, tasks: list[str], limit: int | None = None, batch_size: int | None = None,
                    device: str = "auto", task_root: str | Path | None = None,
-                   ratio: float | None = None) -> dict[str, Any]:
+                   ratio: float | None = None, extrapolate: bool = False) -> dict[str, Any]:
     """Run harness ``tasks`` on ``run`` through our model directly; returns the cleaned results.
-    ``ratio``: the R an elastic ConceptMoE runs at (``concept_ratio``)."""
+    ``ratio``: the R an elastic ConceptMoE runs at (``concept_ratio``; outside the trained range
+    only with ``extrapolate``)."""
     lm_eval, TaskManager = _lm_eval()
     from .lm import ConceptMoEHarnessLM
 
@@ -58,7 +59,8 @@ def evaluate_tasks(run: str | Path, tasks: list[str], limit: int | None = None, 
     if device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    lm = ConceptMoEHarnessLM(run=str(run), device=device, batch_size=batch_size or 16, concept_ratio=ratio)
+    lm = ConceptMoEHarnessLM(run=str(run), device=device, batch_size=batch_size or 16, concept_ratio=ratio,
+                             extrapolate=extrapolate)
     res = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager,
                                   log_samples=False, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
                                   torch_random_seed=0, fewshot_random_seed=0)

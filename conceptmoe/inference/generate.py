@@ -87,13 +87,14 @@ def compact(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tup
     return ids, lengths
 
 
-def _forward_last(model, seqs: list[list[int]], device, pixel_values=None, ratio=None) -> torch.Tensor:
+def _forward_last(model, seqs: list[list[int]], device, pixel_values=None, ratio=None,
+                  extrapolate: bool = False) -> torch.Tensor:
     """Full forward over right-padded sequences; logits at each row's last token (B, V)."""
     lens = torch.tensor([len(s) for s in seqs], device=device)
     ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=device)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s, device=device)
-    extra = {"ratio": ratio} if ratio is not None else {}
+    extra = {"ratio": ratio, "extrapolate": extrapolate} if ratio is not None else {}
     logits = model(ids, pixel_values=pixel_values, **extra).logits if pixel_values is not None else model(ids, **extra).logits
     return logits[torch.arange(len(seqs), device=device), lens - 1]
 
@@ -103,10 +104,12 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
            top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
            attention_mask: torch.Tensor | None = None, use_cache: bool = True,
            generator: torch.Generator | None = None, state_out: list | None = None,
-           pixel_values: torch.Tensor | None = None, ratio: float | torch.Tensor | None = None) -> Iterator[Step]:
+           pixel_values: torch.Tensor | None = None, ratio: float | torch.Tensor | None = None,
+           extrapolate: bool = False) -> Iterator[Step]:
     """Yield one ``Step`` per generated token. ``state_out`` (a list) receives the inference state.
     ``pixel_values`` (B, N, C, H, W): images for the prompts' placeholders (``model/vision.py``).
-    ``ratio``: an elastic ConceptMoE's compression R, one number or one per row (B,)."""
+    ``ratio``: an elastic ConceptMoE's compression R, one number or one per row (B,); outside the
+    trained range only with ``extrapolate`` (``model/elastic.py``: ``check_ratio``)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
     ids, lengths = compact(input_ids, attention_mask)
@@ -120,12 +123,12 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         if use_cache:
             # The cache grows by blocks as needed: a huge max_new_tokens must not be allocated up front.
             out, state = prefill(model, ids, lengths, extra_capacity=min(max_new_tokens, PREALLOCATE),
-                                 pixel_values=pixel_values, ratio=ratio)
+                                 pixel_values=pixel_values, ratio=ratio, extrapolate=extrapolate)
             logits = out.logits
             if state_out is not None:
                 state_out.append(state)
         else:
-            logits = _forward_last(model, seqs, dev, pixel_values, ratio)
+            logits = _forward_last(model, seqs, dev, pixel_values, ratio, extrapolate)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)
         for n in range(max_new_tokens):
             tok = sample(logits, temperature, top_k, top_p, generator)
@@ -141,7 +144,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
             else:
                 for i, t in enumerate(tok.tolist()):
                     seqs[i].append(t)
-                logits = _forward_last(model, seqs, dev, pixel_values, ratio)
+                logits = _forward_last(model, seqs, dev, pixel_values, ratio, extrapolate)
     finally:
         model.train(was_training)
 
@@ -158,12 +161,12 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
              attention_mask: torch.Tensor | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, pixel_values: torch.Tensor | None = None,
-             ratio: float | torch.Tensor | None = None) -> torch.Tensor:
+             ratio: float | torch.Tensor | None = None, extrapolate: bool = False) -> torch.Tensor:
     """The prompt followed by ``max_new_tokens`` new tokens per row: (B, T + N). ``ratio``: an
     elastic ConceptMoE's R, one number or a tensor of one per row."""
     new = [s.tokens for s in stream(model, input_ids, max_new_tokens, temperature, top_k, top_p,
                                     eos_token_id, attention_mask, use_cache, generator, pixel_values=pixel_values,
-                                    ratio=ratio)]
+                                    ratio=ratio, extrapolate=extrapolate)]
     B, N = input_ids.shape[0], max_new_tokens
     eos = _eos_ids(eos_token_id, "cpu")
     out = torch.full((B, N), int(eos[0]) if eos is not None else 0, dtype=input_ids.dtype, device=input_ids.device)
@@ -176,10 +179,11 @@ def _generate_method(self, input_ids: torch.Tensor, max_new_tokens: int, tempera
                      top_k: int | None = None, top_p: float | None = None,
                      eos_token_id: int | list[int] | None = None, attention_mask: torch.Tensor | None = None,
                      use_cache: bool = True, generator: torch.Generator | None = None,
-                     pixel_values: torch.Tensor | None = None, ratio: float | torch.Tensor | None = None) -> torch.Tensor:
+                     pixel_values: torch.Tensor | None = None, ratio: float | torch.Tensor | None = None,
+                     extrapolate: bool = False) -> torch.Tensor:
     """Prompt + ``max_new_tokens`` sampled tokens (B, T + N), KV-cached; see ``inference/generate.py``."""
     return generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                    attention_mask, use_cache, generator, pixel_values, ratio)
+                    attention_mask, use_cache, generator, pixel_values, ratio, extrapolate)
 
 
 # The dependency runs one way (inference uses the model), so the models get their ``generate``

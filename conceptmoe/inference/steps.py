@@ -87,12 +87,13 @@ def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
             extra_capacity: int = 0, pixel_values: torch.Tensor | None = None,
-            ratio: float | torch.Tensor | None = None) -> tuple[StepOutput, InferenceState]:
+            ratio: float | torch.Tensor | None = None, extrapolate: bool = False) -> tuple[StepOutput, InferenceState]:
     """Forward over right-padded prompts (B, T); returns last-token logits and the state.
 
     ``extra_capacity``: token entries to preallocate for the tokens still to come.
     ``pixel_values`` (B, N, C, H, W): the images whose placeholders the prompts hold.
-    ``ratio``: an elastic ConceptMoE's R, one number or one per row (B,); kept for the decode steps.
+    ``ratio``: an elastic ConceptMoE's R, one number or one per row (B,); kept for the decode steps
+    (outside the trained range only with ``extrapolate``, as ``model(ids, ratio=, extrapolate=)``).
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -112,10 +113,11 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
         cache.lengths = lengths.tolist()
         logits = model.lm_head(model.norm(_last(x, lengths)))
         return StepOutput(logits), InferenceState(tokens=cache)
-    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio)
+    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio, extrapolate)
 
 
-def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None):
+def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None,
+                     extrapolate: bool = False):
     cfg, (B, T, _) = model.cfg, x.shape
     n_enc, n_con = len(model.encoder), len(model.concept)
     tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
@@ -123,7 +125,7 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     for i, blk in enumerate(model.encoder):
         x = _block_prefill(blk, x, cos, sin, tokens, i, rows, model.dispatch)
     h = x  # (B, T, D) encoder states ĥ
-    terms = model.ratio_terms(ratio, B, x.device)  # elastic models: each row's R
+    terms = model.ratio_terms(ratio, B, x.device, extrapolate)  # elastic models: each row's R
     p = model.route(h, terms)  # (B, T)
     b = (p >= 0.5) & valid
     b[:, 0] = True

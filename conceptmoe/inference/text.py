@@ -61,10 +61,11 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
                 top_k: int | None = None, top_p: float | None = None,
                 generator: torch.Generator | None = None, show_concepts: bool = False,
                 stats: TextStats | None = None, eos_token_id: int | list[int] | None = None,
-                ratio: float | None = None) -> Iterator[str]:
+                ratio: float | None = None, extrapolate: bool = False) -> Iterator[str]:
     """Yield the continuation of ``prompt`` as text pieces (concatenated: the whole new text);
     it ends early at ``eos_token_id`` (the run's end-of-text), which is not printed.
-    ``ratio``: the compression R asked of an elastic ConceptMoE."""
+    ``ratio``: the compression R asked of an elastic ConceptMoE (outside its trained range only
+    with ``extrapolate``)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
     ids = tok.encode(prompt).ids
@@ -95,7 +96,7 @@ def stream_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
     x = torch.tensor([ids], device=dev)
     ended = False
     for step in stream(model, x, max_new_tokens, temperature, top_k, top_p, eos_token_id=eos_token_id,
-                       generator=generator, state_out=states, ratio=ratio):
+                       generator=generator, state_out=states, ratio=ratio, extrapolate=extrapolate):
         if bool(step.finished[0]):  # end of text: not printed; the token before it has been fed
             stats.new_tokens += 1
             ended = True

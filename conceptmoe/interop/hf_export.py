@@ -53,7 +53,7 @@ def _transformers():
 
 
 def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
-                      concept_ratio: float | None = None) -> Path:
+                      concept_ratio: float | None = None, extrapolate: bool = False) -> Path:
     """Write the run as a transformers model directory (see the module docstring); returns it."""
     from .hf_model import ConceptMoEConfig, ConceptMoEForCausalLM
 
@@ -74,7 +74,7 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
     config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad, bos_token_id=ids["bos_token_id"],
                               eos_token_id=ids["eos_token_id"], prefix_token_id=prefix_id(ids, tok),
                               max_position_embeddings=max_length(run_cfg), architectures=["ConceptMoEForCausalLM"],
-                              concept_ratio=concept_ratio)
+                              concept_ratio=concept_ratio, extrapolate=extrapolate)
     config.auto_map = dict(AUTO_MAP)
     with torch.device("meta"):  # no random init: the run's own module goes in
         hf = ConceptMoEForCausalLM(config)

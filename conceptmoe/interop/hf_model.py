@@ -38,6 +38,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from ..inference.generate import compact
 from ..inference.steps import decode_step, prefill
 from ..model.config import ModelConfig
+from ..model.elastic import check_ratio, ratio_values
 from ..model.lm import build_model
 from .hf_cache import ConceptMoECache
 from .hf_remote_code import AUTO_MAP, write_remote_code
@@ -68,14 +69,26 @@ class ConceptMoEConfig(PreTrainedConfig):
     # The compression R an elastic ConceptMoE runs at (None: its design ratio); ``generate(...,
     # concept_ratio=R)`` overrides it per call, ``--model_args concept_ratio=R`` per harness run.
     concept_ratio: float | None = None
+    # Whether concept_ratio (here or per call) may lie outside the trained range (capped:
+    # ``model/elastic.py``'s check_ratio, the one check of --ratio and every other entry point).
+    extrapolate: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         cfg = self.model_config()
+        self.check_concept_ratio(cfg)
         self.conceptmoe = cfg.to_dict()
         self.vocab_size, self.hidden_size, self.num_hidden_layers = cfg.vocab_size, cfg.d_model, cfg.n_layers
         self.num_attention_heads, self.num_key_value_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim, self.tie_word_embeddings = cfg.head_dim, cfg.tie_embeddings
         super().__post_init__(**kwargs)
+
+    def check_concept_ratio(self, cfg: ModelConfig) -> None:
+        """Refuse a default ``concept_ratio`` the model cannot serve (checked again when the model is
+        built: ``from_pretrained(..., concept_ratio=R)`` sets it after the config is made)."""
+        if self.concept_ratio is not None:
+            why = check_ratio(cfg, [self.concept_ratio], bool(self.extrapolate), flag="concept_ratio")
+            if why:
+                raise ValueError(why)
 
     def model_config(self) -> ModelConfig:
         """Our ``ModelConfig`` (the default one when the config was built without it)."""
@@ -95,6 +108,7 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: ConceptMoEConfig) -> None:
         super().__init__(config)
+        config.check_concept_ratio(config.model_config())
         self.model = build_model(config.model_config())
         self.post_init()
 
@@ -129,11 +143,13 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
                 cache: ConceptMoECache | None = None, use_cache: bool | None = None,
                 labels: torch.LongTensor | None = None, logits_to_keep: int = 0,
                 inputs_embeds: torch.Tensor | None = None, return_dict: bool | None = None,
-                concept_ratio: float | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+                concept_ratio: float | torch.Tensor | None = None, extrapolate: bool | None = None,
+                **kwargs: Any) -> CausalLMOutputWithPast:
         """Logits (B, T or logits_to_keep, V); ``cache`` continues a sequence one or more tokens on.
 
         ``concept_ratio``: an elastic ConceptMoE's R, one number or one per row (default:
         ``config.concept_ratio``, else the design ratio); a cache keeps the R it was built with.
+        Outside the trained range only with ``extrapolate`` (default: ``config.extrapolate``).
 
         ``position_ids`` and other keyword arguments transformers passes are ignored: positions
         follow from ``attention_mask`` (each row's first real token is position 0).
@@ -151,7 +167,12 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             cache = (cache or ConceptMoECache()) if use_cache else None
             ratio = self.config.concept_ratio if concept_ratio is None else concept_ratio
-            logits = self._forward_new(input_ids, attention_mask, cache, logits_to_keep, ratio)
+            extrapolate = bool(self.config.extrapolate if extrapolate is None else extrapolate)
+            if ratio is not None:  # named as the caller named it (the model would say "ratio")
+                why = check_ratio(self.model.cfg, ratio_values(ratio), extrapolate, flag="concept_ratio")
+                if why:
+                    raise ValueError(why)
+            logits = self._forward_new(input_ids, attention_mask, cache, logits_to_keep, ratio, extrapolate)
         if logits_to_keep and logits.shape[1] > logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         loss = None
@@ -161,10 +182,11 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def _forward_new(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache: ConceptMoECache | None, logits_to_keep: int, ratio=None) -> torch.Tensor:
+                 cache: ConceptMoECache | None, logits_to_keep: int, ratio=None,
+                 extrapolate: bool = False) -> torch.Tensor:
         ids, lengths = compact(input_ids, attention_mask)  # (B, T) right-padded, (B,)
         last_is_real = attention_mask is None or bool(attention_mask[:, -1].bool().all())
-        at = {} if ratio is None else {"ratio": ratio}
+        at = {} if ratio is None else {"ratio": ratio, "extrapolate": extrapolate}
         if cache is not None:
             out, cache.state = prefill(self.model, ids, lengths, **at)
             cache.seen = input_ids.shape[1]

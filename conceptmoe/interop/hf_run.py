@@ -35,7 +35,7 @@ from ..errors import UserError
 from ..files import building, check_out
 from ..lock import held
 from ..model.config import ModelConfig
-from ..model.elastic import require_ratio
+from ..model.elastic import check_ratio
 from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
@@ -186,7 +186,7 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
 
 
 def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: bool = False,
-              concept_ratio: float | None = None) -> Path:
+              concept_ratio: float | None = None, extrapolate: bool = False) -> Path:
     """Write a MoE run as a HF checkpoint directory (``arch`` default: where it came from); returns it.
 
     ``concept_ratio``: an elastic ConceptMoE's default R in the exported config (None: its design ratio)."""
@@ -200,11 +200,16 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
     if concept_ratio is not None:
         if not cfg.is_concept or cfg.elastic_ratios is None:
             raise UserError("--concept-ratio applies to elastic ConceptMoE runs only (trained with --ratios)")
-        concept_ratio = require_ratio(cfg, concept_ratio)
+        concept_ratio = float(concept_ratio)
+        why = check_ratio(cfg, [concept_ratio], extrapolate, flag="--concept-ratio")
+        if why:
+            raise UserError(why)
+    elif extrapolate:
+        raise UserError("--extrapolate applies to a --concept-ratio outside the trained range")
     check_out(out, force, replaceable(out))
     if cfg.is_concept and arch is None:  # a transformers "conceptmoe" directory (hf_export.py)
         from .hf_export import export_conceptmoe
-        return export_conceptmoe(run, out, force, concept_ratio)
+        return export_conceptmoe(run, out, force, concept_ratio, extrapolate)
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
     model, cfg, tok, run_cfg = load_run(run, "cpu")
     hf.update(token_ids(run_cfg, tok), max_position_embeddings=max_length(run_cfg))  # the source's, or ours

@@ -113,23 +113,50 @@ def as_ratios(ratio, batch: int, device: torch.device) -> torch.Tensor:
     return r
 
 
-def check_ratio(cfg, ratios: list[float], extrapolate: bool = False) -> str | None:
-    """Why these requested ratios cannot be served by this config (None: they can)."""
+# How far an asked-for extrapolation may reach: at most this factor beyond the trained range (in R),
+# and never R <= 1. The end segments of the tables are extended linearly in log R, which means
+# nothing far away (R = 1e300 overflowed the shift and read as "diverged weights"; issue 41).
+EXTRAPOLATE_FACTOR = 2.0
+TOL = 1e-6  # relative: a ratio passed through float32 (a tensor per row) still names its trained value
+
+
+def extrapolation_range(cfg) -> tuple[float, float]:
+    """(lowest, highest) R an elastic config serves with extrapolation (lowest is exclusive when 1)."""
+    lo, hi = min(cfg.elastic_ratios), max(cfg.elastic_ratios)
+    return max(1.0, lo / EXTRAPOLATE_FACTOR), hi * EXTRAPOLATE_FACTOR
+
+
+def ratio_values(ratio) -> list[float]:
+    """The distinct values of a ratio argument (number, sequence or tensor), for ``check_ratio``."""
+    return torch.as_tensor(ratio, dtype=torch.float64).flatten().unique().tolist()
+
+
+def check_ratio(cfg, ratios: list[float], extrapolate: bool = False, flag: str = "--ratio") -> str | None:
+    """Why these requested ratios cannot be served by this config (None: they can): the one check of
+    every entry point (CLI flags, ``model(ids, ratio=)``, ``generate``, the transformers model).
+    ``flag`` names what the user gave (``--ratio``, ``ratio``, ``concept_ratio``)."""
+    ask = "--extrapolate" if flag.startswith("--") else "extrapolate=True"
     if not cfg.is_concept:
-        return "--ratio applies to ConceptMoE runs only (this run is a plain MoE)"
+        return f"{flag} applies to ConceptMoE runs only (this run is a plain MoE)"
     bad = [r for r in ratios if not (math.isfinite(r) and r > 1)]
     if bad:
-        return f"a ratio must be a number > 1, got {bad[0]:g}"
+        return f"{flag}: a ratio must be a finite number > 1, got {bad[0]:g}"
     if cfg.elastic_ratios is None:
-        off = [r for r in ratios if abs(r - cfg.compression_ratio) > 1e-9]
+        off = [r for r in ratios if abs(r - cfg.compression_ratio) > TOL * r]
         if off:
-            return (f"this run was trained for R={cfg.compression_ratio:g} only (not elastic); "
+            return (f"{flag}: this run was trained for R={cfg.compression_ratio:g} only (not elastic); "
                     f"train with --ratios to choose R at inference")
         return None
     lo, hi = min(cfg.elastic_ratios), max(cfg.elastic_ratios)
-    out = [r for r in ratios if not lo - 1e-9 <= r <= hi + 1e-9]
+    out = [r for r in ratios if not lo * (1 - TOL) <= r <= hi * (1 + TOL)]
     if out and not extrapolate:
-        return f"R={out[0]:g} is outside the trained range [{lo:g}, {hi:g}]; pass --extrapolate to try it anyway"
+        return f"{flag}: R={out[0]:g} is outside the trained range [{lo:g}, {hi:g}]; pass {ask} to try it anyway"
+    elo, ehi = extrapolation_range(cfg)
+    far = [r for r in out if not (r > elo * (1 - TOL) and r <= ehi * (1 + TOL))]
+    if far:
+        reach = f"({elo:g}, {ehi:g}]" if elo == 1 else f"[{elo:g}, {ehi:g}]"
+        return (f"{flag}: R={far[0]:g} is too far outside the trained range [{lo:g}, {hi:g}]: {ask} reaches "
+                f"at most {EXTRAPOLATE_FACTOR:g}x beyond it, R in {reach}")
     return None
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from .attention import Attention, RMSNorm, rope_tables
 from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
-from .elastic import RatioEmbedding, RatioTerms, as_ratios, per_sequence_ratio_loss
+from .elastic import RatioEmbedding, RatioTerms, as_ratios, check_ratio, per_sequence_ratio_loss, ratio_values
 from .linear_ce import linear_cross_entropy
 from .moe import MoE, MoEAux, compute_dtype
 from .stats import ChunkStats, Reduce, router_losses, stats_vector
@@ -241,13 +241,15 @@ class ConceptMoELM(LanguageModel):
                 aux.append(a)
         return c, aux
 
-    def ratio_terms(self, ratio, batch: int, device: torch.device) -> RatioTerms | None:
+    def ratio_terms(self, ratio, batch: int, device: torch.device, extrapolate: bool = False) -> RatioTerms | None:
         """The ratio embedding of each row's R (number, or one per row; None: the design ratio);
-        None for a fixed-R model, which takes only its own R."""
+        None for a fixed-R model, which takes only its own R. Every row's R is checked as the CLI
+        checks ``--ratio`` (``check_ratio``): finite, > 1, in the trained range unless ``extrapolate``."""
+        if ratio is not None:
+            why = check_ratio(self.cfg, ratio_values(ratio), extrapolate, flag="ratio")
+            if why:
+                raise ValueError(why)
         if self.ratio_embed is None:
-            if ratio is not None and bool((as_ratios(ratio, batch, device) != self.cfg.compression_ratio).any()):
-                raise ValueError(f"ratio: this model was trained for R={self.cfg.compression_ratio:g} only "
-                                 f"(set elastic_ratios and train to choose R)")
             return None
         return self.ratio_embed(as_ratios(self.cfg.compression_ratio if ratio is None else ratio, batch, device))
 
@@ -261,7 +263,7 @@ class ConceptMoELM(LanguageModel):
                 boundaries_override: torch.Tensor | None = None,
                 boundary_noise: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                ratio: float | torch.Tensor | None = None) -> ModelOutput:
+                ratio: float | torch.Tensor | None = None, extrapolate: bool = False) -> ModelOutput:
         """``boundary_noise``: uniforms (B, T) for the training-time boundary samples (default:
         drawn from the global RNG); the trainer passes them per global sequence, so that the
         samples do not depend on how a batch is split over processes.
@@ -270,10 +272,11 @@ class ConceptMoELM(LanguageModel):
         the ratio loss's F and G and of the compression (as in evaluation); causal attention
         already keeps padding out of the real positions.
         ``ratio``: the target R of an elastic model, one number or one per row (B,) (default: the
-        design ratio); its ratio loss is then per sequence, against each row's own R."""
+        design ratio); its ratio loss is then per sequence, against each row's own R. Outside the
+        trained range only with ``extrapolate`` (and at most ``EXTRAPOLATE_FACTOR`` beyond it)."""
         cfg = self.cfg
         h, moe_aux = self.encode(input_ids, pixel_values)  # (B, T, D)
-        terms = self.ratio_terms(ratio, h.shape[0], h.device)
+        terms = self.ratio_terms(ratio, h.shape[0], h.device, extrapolate)
         p = self.route(h, terms)  # (B, T)
         if boundaries_override is not None:
             b = boundaries_override.to(torch.bool).clone()

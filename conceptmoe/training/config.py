@@ -193,6 +193,19 @@ def resolve_data(data: str | None) -> str | None:
     return data if data is None or str(data) in named else str(Path(data).resolve())
 
 
+# ModelConfig's errors name its fields; the user gave flags (issue 41).
+FIELD_FLAGS = {"compression_ratio": "--ratio", "elastic_ratios": "--ratios (or --set elastic_ratios)"}
+
+
+def flag_error(e: Exception) -> UserError:
+    """A ModelConfig error as a UserError that names the flag (``--ratio``, ``--set NAME``), not the field."""
+    msg = str(e)
+    if msg.startswith("ModelConfig."):
+        name, rest = msg[len("ModelConfig."):].split(":", 1)
+        msg = f"{FIELD_FLAGS.get(name, '--set ' + name)}:{rest}"
+    return UserError(msg)
+
+
 def model_config(tc: TrainConfig) -> ModelConfig:
     """The ModelConfig a TrainConfig asks for (preset, kind, R, matching strategy, --set)."""
     try:
@@ -201,7 +214,7 @@ def model_config(tc: TrainConfig) -> ModelConfig:
             mc = mc.replace(elastic_ratios=[r for r, _ in tc.ratios])
         return mc
     except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+        raise flag_error(e) from None
 
 
 def _model_config(tc: TrainConfig) -> ModelConfig:
@@ -219,7 +232,7 @@ def _model_config(tc: TrainConfig) -> ModelConfig:
             kind["compression_ratio"] = tc.ratio
         return ModelConfig.from_preset(tc.preset, **{**kind, **tc.overrides})
     except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+        raise flag_error(e) from None
 
 
 def default_out(tc: TrainConfig, mc: ModelConfig) -> Path:

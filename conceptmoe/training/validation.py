@@ -39,11 +39,12 @@ def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarray, seq_len: int,
                     batch_size: int = EVAL_BATCH, max_tokens: int | None = None,
-                    progress: bool = False, ratio: float | None = None) -> dict[str, Any]:
+                    progress: bool = False, ratio: float | None = None, extrapolate: bool = False) -> dict[str, Any]:
     """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode).
 
     ``progress`` shows a bar for validations of more than a few batches. ``ratio``: the R asked
-    of an elastic ConceptMoE (reported as ``ratio`` beside the realised ``compression``).
+    of an elastic ConceptMoE (reported as ``ratio`` beside the realised ``compression``), outside
+    its trained range only with ``extrapolate``.
     """
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -61,7 +62,7 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
     for group in tqdm(groups, desc="validating", unit="batch", leave=False, dynamic_ncols=True,
                       disable=not progress or len(groups) <= 8):
         x = torch.from_numpy(np.stack([ids[a:b] for a, b in group]).astype(np.int64)).to(device)
-        out = model(x) if ratio is None else model(x, ratio=ratio)
+        out = model(x) if ratio is None else model(x, ratio=ratio, extrapolate=extrapolate)
         logits = out.logits[:, :-1].float()  # (B, T-1, V): position t predicts t+1
         target = x[:, 1:]
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
