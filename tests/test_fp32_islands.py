@@ -83,3 +83,51 @@ def test_a_conceptmoe_forward_keeps_its_islands_fp32(monkeypatch):
     assert out.chunks.p.dtype == torch.float32
     for name in ("ratio_loss", "balance_loss", "router_z_loss"):
         assert out.aux[name].dtype == torch.float32, name
+
+
+def _first_decoded_p(model, ids):
+    """(p of the full forward at the last position, p of the first decoded step there) (B,) each."""
+    from conceptmoe.inference.steps import decode_step, prefill
+    seen, step = [], model.chunk.step
+
+    def spy(h, last_key, pos, **kw):
+        p, key = step(h, last_key, pos, **kw)
+        seen.append(p)
+        return p, key
+
+    model.chunk.step = spy
+    try:
+        with torch.no_grad():
+            full = model(ids).chunks.p[:, -1]
+            _, state = prefill(model, ids[:, :-1])
+            decode_step(model, state, ids[:, -1])
+    finally:
+        del model.chunk.step
+    return full, seen[0]
+
+
+def test_the_first_decoded_boundary_probability_is_the_full_forwards():
+    # Prefill once cached W_k h in the model's dtype, outside the router's fp32 island: in a bf16
+    # model the first decoded token's p was then up to 4e-4 off (1.2e-4 here), enough to flip a p
+    # near 0.5. With the key in fp32 both paths read the same fp32 key of the same bf16 state.
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_preset("tiny")).eval()
+    with torch.no_grad():  # random router projections, not the identity start
+        for lin in (model.chunk.wq, model.chunk.wk):
+            lin.weight.add_(0.5 * torch.randn_like(lin.weight))
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, model.cfg.vocab_size, (4, 24))
+    full, step = _first_decoded_p(model, ids)
+    assert full.dtype == step.dtype == torch.float32
+    assert (full - step).abs().max() <= 2e-6, (full - step).abs().max()
+
+
+def test_fp32_islands_go_through_one_helper():
+    # every island turns autocast off through model/fp32.py (which also upcasts the operands), so
+    # no call site can turn it off and forget the cast, or cast and leave autocast on
+    import re
+    from pathlib import Path
+    root = Path(chunking.__file__).resolve().parents[1]
+    off = [str(f.relative_to(root)) for f in root.rglob("*.py")
+           if re.search(r"autocast\([^)]*enabled\s*=\s*False", f.read_text())]
+    assert off == ["model/fp32.py"], off

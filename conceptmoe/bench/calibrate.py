@@ -78,4 +78,4 @@ def calibrate_decode(model: ConceptMoELM, ratio: float, st: InferenceState, toke
     calibrate_router(model, H.flatten(0, 1), prev.flatten(0, 1), n, seed)
     restore(st, snap)
     if router.kind == "cosine":
-        st.chunk.last_key = router.wk(H[-1])
+        st.chunk.last_key = router.key(H[-1])

@@ -147,7 +147,7 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     tokens.lengths = lengths.tolist()
     chunk = ChunkState(ratio=terms)
     if cfg.chunk_router == "cosine":
-        chunk.last_key = model.chunk.wk(_router_input(_last(h, lengths), terms))
+        chunk.last_key = model.chunk.key(_router_input(_last(h, lengths), terms))  # fp32, as the router's
     if cfg.concept_pooling == "mean":
         # Tokens after a row's last boundary wait in the pool for the concept that closes them.
         tail = valid & (torch.arange(T, device=x.device)[None] > _last_boundary(b)[:, None])

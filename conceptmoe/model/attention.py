@@ -10,13 +10,12 @@ G key/value heads, Dh head dim.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .fp32 import fp32_island
 from .moe import compute_dtype
 
 
@@ -112,12 +111,9 @@ class Attention(nn.Module):
         """SDPA over given q (B,H,Tq,Dh) and k/v (B,G,Tk,Dh); returns (B, Tq, D) after W_o."""
         B, _, Tq, _ = q.shape
         dtype, fp32 = q.dtype, _fp32_attention(q, k)
-        with torch.autocast(q.device.type, enabled=False) if fp32 else contextlib.nullcontext():
-            if fp32:
-                q, k, v = q.float(), k.float(), v.float()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                 is_causal=causal and mask is None,
-                                                 enable_gqa=self.n_kv != self.n_heads).to(dtype)
+        sdpa = fp32_island(F.scaled_dot_product_attention) if fp32 else F.scaled_dot_product_attention
+        out = sdpa(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                   enable_gqa=self.n_kv != self.n_heads).to(dtype)
         return self.wo(out.transpose(1, 2).reshape(B, Tq, self.n_heads * self.hd))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

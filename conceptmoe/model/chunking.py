@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp32 import fp32_island
 from .scan import ema_scan
 
 LINEAR_INIT_SPREAD = 2.0  # std of the linear router's initial scores (see ChunkRouter)
@@ -47,8 +48,7 @@ class Chunks:
 
 def _fp32_linear(lin: nn.Linear, h: torch.Tensor) -> torch.Tensor:
     """W h in fp32 whatever autocast says (the cosine router: boundaries hinge on small angles)."""
-    with torch.autocast(h.device.type, enabled=False):
-        return F.linear(h.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    return fp32_island(F.linear)(h, lin.weight, lin.bias)
 
 
 class ChunkRouter(nn.Module):
@@ -113,18 +113,22 @@ class ChunkRouter(nn.Module):
             p = shift_p(p, shift)
         return torch.where(pos == 0, torch.ones_like(p), p), key
 
+    def key(self, h: torch.Tensor) -> torch.Tensor:
+        """The cosine router's key W_k h (..., D) in fp32, as ``forward`` and ``step`` compute it:
+        what a cache keeps of the last token."""
+        return _fp32_linear(self.wk, h)
+
     def _temper(self, p: torch.Tensor) -> torch.Tensor:
         """sigmoid(exp(a) · logit(p)) with the learned scalar a (``router_temperature="learned"``):
         exp(a) > 1 pushes p away from 0.5, < 1 towards it; the decision p >= 0.5 is unchanged."""
         if self.log_scale is None:
             return p
-        with torch.autocast(p.device.type, enabled=False):  # fp32 island
-            return torch.sigmoid(_logit(p) * self.log_scale.float().exp())
+        return _tempered(p, self.log_scale)
 
     @staticmethod
+    @fp32_island
     def _cosine_p(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # fp32 island
-            return ((1 - F.cosine_similarity(q.float(), k.float(), dim=-1)) / 2).clamp(0, 1)
+        return ((1 - F.cosine_similarity(q, k, dim=-1)) / 2).clamp(0, 1)
 
     @staticmethod
     def linear_input(h: torch.Tensor) -> torch.Tensor:
@@ -134,15 +138,23 @@ class ChunkRouter(nn.Module):
 
     def _linear(self, h: torch.Tensor) -> torch.Tensor:
         """Linear router: sigmoid(w · h/rms(h) + c), h (..., D) -> p (...)."""
-        with torch.autocast(h.device.type, enabled=False):  # fp32 island
-            score = F.linear(self.linear_input(h), self.score.weight.float(), self.score.bias.float())
-            return torch.sigmoid(score.squeeze(-1))
+        return _linear_p(h, self.score.weight, self.score.bias)
 
 
+@fp32_island
+def _linear_p(h: torch.Tensor, w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(F.linear(ChunkRouter.linear_input(h), w, c).squeeze(-1))
+
+
+@fp32_island
+def _tempered(p: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(_logit(p) * log_scale.exp())
+
+
+@fp32_island
 def shift_p(p: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """sigmoid(logit(p) + shift) in fp32: the elastic ratio's threshold shift (``elastic.py``)."""
-    with torch.autocast(p.device.type, enabled=False):
-        return torch.sigmoid(_logit(p) + shift.float())
+    return torch.sigmoid(_logit(p) + shift)
 
 
 def _logit(p: torch.Tensor) -> torch.Tensor:
@@ -198,14 +210,18 @@ def boundaries(p: torch.Tensor, training: bool, noise: bool, sharpness: float,
 def ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: float,
                valid: torch.Tensor | None = None) -> torch.Tensor:
     """L = R/(R-1)·((R-1)·F·G + (1-F)·(1-G)); F = mean(b) (no grad), G = mean(p)."""
-    with torch.autocast(p.device.type, enabled=False):  # fp32 island
-        if valid is None:
-            Fm, G = b.float().mean().detach(), p.float().mean()
-        else:
-            n = valid.float().sum().clamp_min(1)
-            Fm = ((b & valid).float().sum() / n).detach()
-            G = (p.float() * valid).sum() / n
-        return ratio_loss_fg(Fm, G, ratio)
+    return _ratio_loss(p, b, ratio, valid)
+
+
+@fp32_island
+def _ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: float, valid: torch.Tensor | None) -> torch.Tensor:
+    if valid is None:
+        Fm, G = b.float().mean().detach(), p.mean()
+    else:
+        n = valid.float().sum().clamp_min(1)
+        Fm = ((b & valid).float().sum() / n).detach()
+        G = (p * valid).sum() / n
+    return ratio_loss_fg(Fm, G, ratio)
 
 
 def ratio_loss_fg(Fm: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
@@ -256,8 +272,7 @@ def dechunk(chunks: Chunks, c_out: torch.Tensor,
     and p = 1, ĥ_t + z_t is exactly the concept model's output at t.
     """
     src = c_out if c_in is None else c_out - c_in
-    with torch.autocast(src.device.type, enabled=False):  # the scan runs in fp32 under bf16 autocast
-        z = ema_scan(chunks.concept_p.float(), src.float()).to(src.dtype)  # (B, C, D)
+    z = fp32_island(ema_scan)(chunks.concept_p, src).to(src.dtype)  # (B, C, D): the scan in fp32
     idx = chunks.concept_index.unsqueeze(-1).expand(-1, -1, z.shape[-1])
     z_tok = torch.gather(z, 1, idx)  # (B, T, D)
     P = torch.where(chunks.b, chunks.p, 1 - chunks.p)  # probability of the decision taken

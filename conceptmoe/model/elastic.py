@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .chunking import ratio_loss_fg
+from .fp32 import fp32_island
 
 
 @dataclass
@@ -84,10 +85,9 @@ class RatioEmbedding(nn.Module):
 
     def forward(self, ratio: torch.Tensor) -> RatioTerms:
         w = interp_weights(ratio, torch.tensor(self.ratios, device=ratio.device))  # (B, K)
-        with torch.autocast(w.device.type, enabled=False):  # fp32: small tables, exact interpolation
-            mix = lambda t: None if t is None else w @ t.float()  # noqa: E731
-            concept = None if self.concept is None else CONCEPT_SCALE * mix(self.concept)
-            return RatioTerms(ratio, w @ self.shift.float(), mix(self.router), concept)
+        mix = fp32_island(lambda t: None if t is None else w @ t)  # fp32: small tables, exact interpolation
+        concept = None if self.concept is None else CONCEPT_SCALE * mix(self.concept)
+        return RatioTerms(ratio, mix(self.shift), mix(self.router), concept)
 
 
 def per_sequence_ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor,
@@ -95,12 +95,17 @@ def per_sequence_ratio_loss(p: torch.Tensor, b: torch.Tensor, ratio: torch.Tenso
     """Mean over rows of L_i = ratio loss(F_i, G_i, R_i); also (F (B,), G (B,)).
 
     p (B, T) probabilities, b (B, T) decisions, ratio (B,), real (B, T) bool real positions."""
-    with torch.autocast(p.device.type, enabled=False):  # fp32 island
-        w = torch.ones_like(p, dtype=torch.float32) if real is None else real.float()
-        n = w.sum(1).clamp_min(1)  # (B,)
-        F_ = ((b.float() * w).sum(1) / n).detach()
-        G = (p.float() * w).sum(1) / n
-        return ratio_loss_fg(F_, G, ratio.float()).mean(), F_, G
+    return _per_sequence(p, b, ratio, real)
+
+
+@fp32_island
+def _per_sequence(p: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor,
+                  real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.ones_like(p) if real is None else real.float()
+    n = w.sum(1).clamp_min(1)  # (B,)
+    F_ = ((b.float() * w).sum(1) / n).detach()
+    G = (p * w).sum(1) / n
+    return ratio_loss_fg(F_, G, ratio).mean(), F_, G
 
 
 def as_ratios(ratio, batch: int, device: torch.device) -> torch.Tensor:

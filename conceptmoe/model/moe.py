@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp32 import fp32_island
 from .stats import RouterStats
 
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
@@ -79,6 +80,17 @@ class MoEAux:
     def z_loss(self) -> torch.Tensor:
         """Router z-loss of this layer: mean logsumexp(logits)²."""
         return self.stats.z_sum / max(self.stats.n_tokens, 1)
+
+
+@fp32_island
+def _route(x: torch.Tensor, weight: torch.Tensor, top_k: int,
+           norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = F.linear(x, weight)  # (N, E)
+    probs = logits.softmax(dim=-1)
+    w, idx = probs.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return logits, probs, w, idx
 
 
 class _GatherRows(torch.autograd.Function):
@@ -171,18 +183,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns router logits (N, E) fp32, probs (N, E), top-k weights (N, K), indices (N, K)."""
         # An fp32 island: autocast would cast the upcast matmul back to bf16 (logit errors ~4e-3).
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())
-            probs = logits.softmax(dim=-1)
-            w, idx = probs.topk(self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                w = w / w.sum(-1, keepdim=True)
-        return logits, probs, w, idx
+        return _route(x, self.router.weight, self.top_k, self.norm_topk_prob)
 
     def aux_terms(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> MoEAux:
         counts = torch.bincount(idx.flatten(), minlength=self.n_experts)
-        with torch.autocast(logits.device.type, enabled=False):  # fp32 island (z-loss)
-            z_sum = torch.logsumexp(logits.float(), dim=-1).pow(2).sum()
+        z_sum = fp32_island(lambda z: torch.logsumexp(z, dim=-1).pow(2).sum())(logits)
         return MoEAux(RouterStats(probs.sum(0), z_sum, counts.detach(), idx.shape[0], self.top_k))
 
     # ----- expert compute -----
