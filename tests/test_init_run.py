@@ -95,3 +95,52 @@ def test_default_lr_follows_the_model_kind(moe, tmp_path):
     assert TrainConfig(init=str(src)).lr == 2e-3 and TrainConfig(init=str(cm)).lr == 1e-3
     with pytest.raises(UserError, match="--lr"):
         TrainConfig(lr=0.0)
+
+
+@pytest.fixture(scope="module")
+def elastic(moe, tmp_path_factory):
+    """An elastic run (trained for 1.5, 2, 3) whose ratio tables are random and independent, so
+    that rows taken by position differ from rows interpolated onto other ratios."""
+    import torch
+    from safetensors.torch import save_file
+
+    corpus, _ = moe
+    run = train(TrainConfig(**TINY, data=str(corpus), out=str(tmp_path_factory.mktemp("el") / "el"),
+                            max_steps=2, ratios="1.5,2,3"))
+    w = load_file(str(run / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for k in [k for k in w if k.startswith("ratio_embed.")]:
+        w[k] = torch.randn(w[k].shape, generator=g) * 0.3
+    save_file(w, str(run / "model.safetensors"))
+    return corpus, run
+
+
+@pytest.mark.parametrize("ratios", ["2,3,4", "2,2.5,3,5"])  # same size (rows by position), another size
+def test_init_elastic_reinterpolates_the_ratio_tables(elastic, tmp_path, ratios, capsys):
+    import torch
+
+    from conceptmoe.model.elastic import RatioEmbedding
+
+    corpus, src = elastic
+    new = [float(r) for r in ratios.split(",")]
+    run = train(TrainConfig(**{**TINY, "lr": 1e-12, "progress": True}, data=str(corpus), init=str(src),
+                            out=str(tmp_path / "ct"), max_steps=1, ratios=ratios))
+    assert "re-interpolated (in log R) onto --ratios " + ratios in capsys.readouterr().err
+    old_w, new_w = load_file(str(src / "model.safetensors")), load_file(str(run / "model.safetensors"))
+    old = RatioEmbedding([1.5, 2.0, 3.0], new_w["ratio_embed.router"].shape[1], "router", 2.0)
+    old.load_state_dict({k.split(".", 1)[1]: v for k, v in old_w.items() if k.startswith("ratio_embed.")})
+    want = old(torch.tensor(new))  # what the init run serves at the new ratios (5: extrapolated)
+    assert torch.allclose(new_w["ratio_embed.shift"], want.shift, atol=1e-5)
+    assert torch.allclose(new_w["ratio_embed.router"], want.router, atol=1e-5)
+    assert json.loads((run / "config.json").read_text())["model"]["elastic_ratios"] == new
+
+
+def test_init_refuses_ratios_it_cannot_start(moe, elastic, tmp_path):
+    _, src = moe
+    with pytest.raises(UserError, match="--ratios: --init .* is a plain MoE run"):
+        TrainConfig(**TINY, init=str(src), ratios="2,3")
+    _, el = elastic
+    with pytest.raises(UserError, match="--ratios: --init .* cannot start them: R=8 is too far"):
+        TrainConfig(**TINY, init=str(el), ratios="2,8")
+    with pytest.raises(UserError, match="design ratio R=2"):
+        TrainConfig(**TINY, init=str(el), ratios="2.5,3")

@@ -21,7 +21,7 @@ from . import checkpoint as ck
 from ..data.corpus import DEFAULT_CORPUS
 from ..data.recipes import RECIPES
 from .elastic import parse_ratios
-from .init_run import resolve_init
+from .init_run import check_new_ratios, resolve_init
 from ..data.digits import VLM_DATA
 
 DEFAULT_TOKENS = 1_600_000  # `conceptmoe train` with no flags: 680 s on 2 AMX cores in bf16
@@ -146,6 +146,8 @@ class TrainConfig:
                 raise UserError(f"--init {self.init} is a vision-language run (word vocabulary, images): it "
                                 f"continues only on --data {VLM_DATA}")
             self.tokenizer = self.tokenizer or str(Path(self.init) / "tokenizer.json")
+            if self.ratios:
+                check_new_ratios(self.init, self.init_model, [r for r, _ in self.ratios])
         if self.lr is None:  # the kind is known now (--init brings its own)
             self.lr = DEFAULT_LR[self.model]
 

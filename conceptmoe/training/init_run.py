@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..model.elastic import RatioEmbedding, interp_weights
 from . import checkpoint as ck
 
 
@@ -30,21 +31,69 @@ def resolve_init(init: str, init_model: dict[str, Any] | None) -> tuple[str, dic
     return str(path), init_model
 
 
-def load_init_weights(model: torch.nn.Module, init: str, device: torch.device | str) -> None:
-    """Copy the init run's weights into a freshly built model (shapes must match). A fixed-R run
-    may start an elastic one (``--ratios``): the new ratio embedding keeps its fresh init."""
+def load_init_weights(model: torch.nn.Module, init: str, device: torch.device | str) -> str | None:
+    """Copy the init run's weights into a freshly built model (shapes must match); returns a line
+    that says what changed on the way, if anything. An elastic model whose trained ratios differ
+    from the init run's takes its ratio-embedding tables re-interpolated onto the new ratios
+    (``reinterpolate``); one from a fixed-R run keeps its fresh tables."""
     path = Path(init) / "model.safetensors"
+    new = getattr(model, "ratio_embed", None)
+    old_ratios = ck.model_config_of(ck.read_run_config(Path(init))).elastic_ratios if new is not None else None
     try:
-        if getattr(model, "ratio_embed", None) is not None and path.is_file():
-            from safetensors.torch import load_model
-
-            missing, unexpected = load_model(model, str(path), strict=False, device=str(device))
-            wrong = sorted(set(missing) - {n for n, _ in model.ratio_embed.named_parameters(prefix="ratio_embed")})
-            if wrong or unexpected:
-                raise UserError(f"{path} does not match the model (missing {wrong[:3]}, unexpected {sorted(unexpected)[:3]})")
-            return
-        ck.load_weights(model, path, device)
+        if new is None or old_ratios == new.ratios:
+            ck.load_weights(model, path, device)
+            return None
+        # The init run's own tables (or none) stand in while its weights load strictly.
+        old = None if old_ratios is None else RatioEmbedding(old_ratios, *_table_shape(new)).to(device)
+        model.ratio_embed = old
+        try:
+            ck.load_weights(model, path, device)
+        finally:
+            model.ratio_embed = new
+        listed = ",".join(f"{r:g}" for r in new.ratios)
+        if old is None:
+            return f"--init {init}: a fixed-R run; the ratio embedding for --ratios {listed} starts fresh"
+        reinterpolate(old, new)
+        was = ",".join(f"{r:g}" for r in old_ratios)
+        return (f"--init {init}: trained for ratios {was}; its ratio embedding is re-interpolated "
+                f"(in log R) onto --ratios {listed}")
     except RuntimeError as e:  # shapes
         raise UserError(f"--init {init}: its weights do not fit this model: {str(e).splitlines()[0]}") from None
     except UserError as e:
         raise UserError(f"--init {init}: its weights do not fit this model (a --set that changes shapes?): {e}") from None
+
+
+def _table_shape(emb: RatioEmbedding) -> tuple[int, str, float]:
+    """(d, mode, design) of a ratio embedding, to build the init run's twin (its init is overwritten)."""
+    return emb.router.shape[1] if emb.router is not None else 1, emb.mode, emb.ratios[0]
+
+
+@torch.no_grad()
+def reinterpolate(old: RatioEmbedding, new: RatioEmbedding) -> None:
+    """Set ``new``'s tables (rows at its ratios) to what ``old`` serves at those ratios: the
+    piecewise-linear interpolation in log R that inference uses, extended past the ends as
+    ``--extrapolate`` would (``check_new_ratios`` keeps them within its reach)."""
+    w = interp_weights(torch.tensor(new.ratios), torch.tensor(old.ratios)).to(new.shift.device)  # (K', K)
+    for name in ("shift", "router", "concept"):
+        src, dst = getattr(old, name), getattr(new, name)
+        if src is not None and dst is not None:
+            dst.copy_(w @ src.float())
+
+
+def check_new_ratios(init: str, init_model: dict[str, Any], ratios: list[float]) -> None:
+    """Refuse --ratios that an --init run cannot start: a plain MoE (no concepts: ``convert`` it
+    first), or ratios beyond the reach of its trained ones (``model/elastic.py``: EXTRAPOLATE_FACTOR)."""
+    from ..model.config import ModelConfig
+    from ..model.elastic import check_ratio
+
+    cfg = ModelConfig.from_dict(init_model)
+    if not cfg.is_concept:
+        raise UserError(f"--ratios: --init {init} is a plain MoE run (no concepts); convert it first "
+                        f"(conceptmoe convert {init} --ratios ...) and start from that")
+    if cfg.elastic_ratios is not None:
+        why = check_ratio(cfg, ratios, extrapolate=True, flag="--ratios")
+        if why:
+            raise UserError(f"{why.split(': ', 1)[0]}: --init {init} cannot start them: {why.split(': ', 1)[1]}")
+    if not min(ratios) <= cfg.compression_ratio <= max(ratios):
+        raise UserError(f"--ratios: --init {init} has the design ratio R={cfg.compression_ratio:g}, which "
+                        f"the new ratios must include in their range")

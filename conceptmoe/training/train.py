@@ -183,7 +183,9 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
         if tc.init and ckpt is None:  # not resuming: start from --init
-            load_init_weights(model, tc.init, d.device)
+            note = load_init_weights(model, tc.init, d.device)
+            if note and tc.progress and d.main:
+                print(note, file=sys.stderr)
         if d.main:  # all input (--init weights too) is valid: only now is the output folder touched
             if tc.force and not tc.resume:
                 ck.remove_run(out)
