@@ -17,6 +17,8 @@ from conceptmoe.model.match import match_config
     {"concept_loops": 2, "concept_top_k": 5, "shared_expert_gate": True},
     {"chunk_router": "linear", "joint_decoding": False},
     {"chunk_router": "fixed", "compression_ratio": 3.0},
+    {"router_temperature": "learned"},
+    {"elastic_ratios": [1.5, 2.0, 3.0], "ratio_embedding": "router+concept"},
 ])
 def test_analytic_flops_match_flop_counter(kw):
     """Linear-layer FLOPs of a real forward pass equal the analytic count (attention map removed)."""
@@ -39,6 +41,22 @@ def test_analytic_flops_match_flop_counter(kw):
 def test_param_count_matches_model(preset, kind):
     cfg = ModelConfig.from_preset(preset, kind=kind, concept_loops=2, concept_n_experts=5, concept_top_k=2)
     assert count_flops(cfg)["total_params"] == build_model(cfg).num_params()
+
+
+@pytest.mark.parametrize("kw", [
+    {"router_temperature": "learned"},
+    *({"elastic_ratios": [1.5, 2.0, 3.0, 4.0], "ratio_embedding": mode} for mode in ("shift", "router", "router+concept")),
+    {"elastic_ratios": [2.0, 3.0], "router_temperature": "learned", "chunk_router": "cosine"},
+])
+def test_param_count_matches_elastic_and_tempered_models(kw):
+    # "equal total parameters" must hold for these too: the learned temperature (1 scalar) and the
+    # ratio embedding's tables (K shifts, K vectors per mode) count like every other parameter
+    cfg = ModelConfig.from_preset("tiny", **kw)
+    n = build_model(cfg).num_params()
+    assert n > build_model(ModelConfig.from_preset("tiny")).num_params()
+    assert count_flops(cfg)["total_params"] == n
+    assert count_flops(cfg)["activated_params"] - count_flops(ModelConfig.from_preset("tiny"))["activated_params"] \
+        == n - build_model(ModelConfig.from_preset("tiny")).num_params()
 
 
 def test_concept_savings_scale_with_R():

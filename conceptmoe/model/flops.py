@@ -15,7 +15,8 @@ at an image position, ``vision.py``) at ``image_fraction`` of the positions (def
 position a patch, an upper bound) and its parameters; text-only accounting is unchanged.
 
 ``activated_params`` = all parameters minus the routed experts a token does not select
-(embeddings included, concept layers counted once).
+(embeddings included, concept layers counted once, the chunk router's learned temperature and an
+elastic model's ratio-embedding tables included: they have no per-token MACs).
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def _block(cfg: ModelConfig, n_experts: int, top_k: int, joint: bool) -> LayerCo
     return LayerCost(macs, params, (n_experts - top_k) * expert)
 
 
+def _ratio_embedding_params(cfg: ModelConfig) -> int:
+    """An elastic model's tables (``elastic.py``), one row per trained ratio: the logit shift, the
+    router vector (``router``, ``router+concept``) and the concept vector (``router+concept``).
+    Interpolated once per sequence and added, not multiplied: no per-token MACs."""
+    if not cfg.elastic_ratios:
+        return 0
+    vectors = {"shift": 0, "router": 1, "router+concept": 2}[cfg.ratio_embedding]
+    return len(cfg.elastic_ratios) * (1 + vectors * cfg.d_model)
+
+
 def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None = None,
                 dtype_bytes: int = 2, image_fraction: float = 1.0) -> dict:
     """Compute accounting of ``cfg`` at sequence length ``seq_len``.
@@ -74,6 +85,8 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
         loops = cfg.concept_loops
         chunk_macs = {"cosine": 2 * d * d, "linear": d, "fixed": 0}[cfg.chunk_router]
         chunk_params = {"cosine": 2 * d * d, "linear": d + 1, "fixed": 0}[cfg.chunk_router]
+        chunk_params += cfg.chunk_router == "cosine" and cfg.router_temperature == "learned"  # exp(a): one scalar
+        chunk_params += _ratio_embedding_params(cfg)
     else:
         concept_layers, loops, chunk_macs, chunk_params = [], 1, 0, 0
         token_layers = [_block(cfg, cfg.n_experts, cfg.top_k, False)] * cfg.n_layers

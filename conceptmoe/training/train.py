@@ -48,10 +48,13 @@ GROUPS = ("decay", "no_decay", "chunk")  # optimizer parameter groups, in this o
 def param_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
     """The model's parameters by optimizer group, decided by parameter identity on the unwrapped
     model (``distributed.unwrap``): a DDP wrapper's ``module.`` names or FSDP's DTensor parameters
-    change nothing. The chunk router: its own learning rate, no decay; embeddings, the image
-    position table, norms and biases: no decay; every other matrix: decay."""
+    change nothing. The chunk router and an elastic model's ratio embedding (its threshold shift
+    and router vector are the router's; ``--chunk-lr-mult 0`` freezes them all): their own
+    learning rate, no decay; embeddings, the image position table, norms and biases: no decay;
+    every other matrix: decay."""
     raw = distributed.unwrap(model)
-    chunk = {id(p) for p in raw.chunk.parameters()} if getattr(raw, "chunk", None) is not None else set()
+    chunk = {id(p) for name in ("chunk", "ratio_embed") if getattr(raw, name, None) is not None
+             for p in getattr(raw, name).parameters()}
     flat = {id(p) for p in raw.embed.parameters()}
     if getattr(raw, "vision", None) is not None:
         flat.add(id(raw.vision.pos))
