@@ -29,6 +29,25 @@ def test_padding_is_left_out_of_f_and_g():
     assert torch.equal(whole.loss, padded.loss)  # an all-ones mask changes nothing
 
 
+def test_padding_is_left_out_of_the_confidence_term():
+    # the confidence term is a mean of 4·p·(1 - p) over the real positions after the first, as the
+    # ratio loss's G: its share of the loss is the loss with the term minus the loss without it
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset("tiny")
+    plain = build_model(cfg).eval()  # eval: the same decisions in both models
+    conf = build_model(cfg.replace(router_confidence_weight=0.5)).eval()
+    conf.load_state_dict(plain.state_dict())
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    real = torch.ones(2, 32, dtype=torch.long)
+    real[1, 20:] = 0  # row 1: 12 positions of padding
+    with torch.no_grad():
+        out0, out1 = plain(x, labels=x, attention_mask=real), conf(x, labels=x, attention_mask=real)
+    q, m = out0.chunks.p[:, 1:].float(), real[:, 1:].bool()
+    want = 0.5 * (4 * q * (1 - q))[m].mean()
+    assert float(out1.loss - out0.loss) == pytest.approx(float(want), abs=1e-6)
+    assert float(want) != pytest.approx(float(0.5 * (4 * q * (1 - q)).mean()), abs=1e-4)  # padding counted
+
+
 def test_vlm_digits_grad_accum_is_token_weighted(tmp_path):
     over = {"d_model": 32, "n_experts": 4, "expert_hidden": 16, "n_layers": 3}
     common = dict(data="vlm-digits", preset="vlm", overrides=over, batch_size=4, seq_len=96, device="cpu",

@@ -315,7 +315,9 @@ class ConceptMoELM(LanguageModel):
         conf = cfg.router_confidence_weight if self.confidence_now is None else self.confidence_now
         if use_ratio and conf > 0 and p.shape[1] > 1:
             q = p[:, 1:].float()  # position 0 is a boundary by definition
-            router_loss = router_loss + conf * (4 * q * (1 - q)).mean()
+            c = 4 * q * (1 - q)  # (B, T-1); over real positions only, as the ratio loss
+            c = c.mean() if real is None else (c * real[:, 1:]).sum() / real[:, 1:].sum().clamp_min(1)
+            router_loss = router_loss + conf * c
         out = self._finish(x, self._text_labels(labels, img), balance, z_loss, extra, router_loss)
         out.boundaries, out.chunks = b, ch
         return out
