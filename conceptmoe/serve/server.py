@@ -111,6 +111,9 @@ def serve(cfg: ServeConfig) -> int:
             def handle_exit(self, sig, frame):  # stop taking requests on keep-alive connections too
                 engine.accepting = False
                 super().handle_exit(sig, frame)
+                # uvicorn re-raises a captured signal after its graceful shutdown (the process then
+                # dies of it); a requested stop that finished cleanly exits 0 instead.
+                getattr(self, "_captured_signals", []).clear()
 
         server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.grace,
                                        access_log=False))
