@@ -320,3 +320,19 @@ def test_bench_prepare_reports_speed_and_memory(tmp_path):
     row = res["rows"][0]
     assert row["tokens"] > 50_000 and row["mb_per_s"] > 0 and row["peak_rss_mb"] > row["rss_over_imports_mb"] >= 0
     assert "MB/s" in format_table(res)
+
+
+def test_a_held_out_shard_changed_in_place_is_refused(corpus, tmp_path):
+    """Same size, valid ids, another text: eval (and every reader of the shards) refuses it."""
+    prep = _prepare(corpus, tmp_path / "p", vocab_size=256, shard_tokens=3000)
+    run = train(TrainConfig(**TINY, data=str(prep), max_steps=2, out=str(tmp_path / "run"), eval_every=0))
+    assert run_cli("eval", str(run), "--json").returncode == 0
+    shard = prep / json.loads((prep / "manifest.json").read_text())["splits"]["val"]["shards"][0]["file"]
+    ids = np.fromfile(shard, dtype=np.uint16)
+    np.flip(ids).tofile(shard)  # the same ids, reversed
+    for cmd in (["eval", str(run), "--json"], ["frontier", str(run), "--json"]):
+        res = run_cli(*cmd)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert "does not match its hash in the manifest" in res.stderr
+    with pytest.raises(UserError, match="does not match its hash"):
+        open_prepared(prep)

@@ -168,7 +168,9 @@ def read_progress(path: Path) -> dict:
 
 
 def open_prepared(data: str | Path, verify: bool = False) -> Prepared:
-    """Open a prepared directory: shards memory-mapped, sizes checked (and hashes with ``verify``);
+    """Open a prepared directory: shards memory-mapped, sizes checked, the held-out shards' hashes
+    always (small, and every command that reads shards reads them: a shard changed in place, same
+    size and valid ids, would give another loss; issue 41), the training shards' with ``verify``;
     every slice read later checks its ids against the tokenizer's vocabulary (``TokenView``)."""
     path = Path(data).resolve()
     m, digest = read_manifest(path)
@@ -181,7 +183,7 @@ def open_prepared(data: str | Path, verify: bool = False) -> Prepared:
             f = path / s["file"]
             if not f.is_file() or f.stat().st_size != s["tokens"] * dtype.itemsize:
                 raise UserError(f"shard {f} is missing or has the wrong size; prepare {path} again")
-            if verify and file_sha256(f) != s["sha256"]:
+            if (verify or split == "val") and file_sha256(f) != s["sha256"]:
                 raise UserError(f"shard {f} does not match its hash in the manifest; prepare {path} again")
             parts.append(np.memmap(f, dtype=dtype, mode="r"))
         views[split] = TokenView(parts, dtype, limit, f"{path} ({split} shards)")
