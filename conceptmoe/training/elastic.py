@@ -1,7 +1,8 @@
 """Elastic training: which target R each training sequence draws (issue 21; ``model/elastic.py``).
 
 ``conceptmoe train --ratios 1.5,2,3,4`` (or weighted, ``1.5:1,2:2,3:1,4:1``) trains one model for
-every R of the set. Sequence n of the run (global sample index n = step · batch_size + row) draws
+every R of the set. Sequence n of the run (global sample index n = batches drawn before its own
+(optimizer steps plus skipped steps) · batch_size + row) draws
 its R from a hash of (seed, n) alone, so the draw does not depend on how the batch is split over
 processes or micro-batches, nor on where a run was resumed.
 """

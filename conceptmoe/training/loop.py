@@ -4,8 +4,10 @@ Every process draws the same *global* batch (B sequences) from the deterministic
 takes its slice: rows ``[rank·B/W, (rank+1)·B/W)``, cut into ``grad_accum`` micro-batches (whose
 ratio/balance/z statistics are summed first, without gradients, so accumulation is exact).
 Boundary noise comes from uniforms drawn per global batch from a generator seeded by (seed,
-step), sliced like the rows, so each sequence gets the same samples whatever the world size
-and however it is resumed. The cross-entropy is weighted by each micro-batch's predicted tokens
+the batch's index among the batches drawn), sliced like the rows, so each sequence gets the same
+samples whatever the world size and however it is resumed; an elastic run's target R is keyed by
+the sample index (``elastic.py``). A skipped step (``--skip-bad-steps``) has drawn its batch: the
+next batch draws its own noise and R, and the count of skipped steps is kept in the checkpoint. The cross-entropy is weighted by each micro-batch's predicted tokens
 (padding, as in vlm-digits, counts nothing), and the ratio, balance and z-loss statistics are
 global (``model/stats.py``): the logged loss of a W-process run, with or without ``grad_accum``,
 equals the 1-process run's (``tests/test_distributed_modes.py``).
@@ -84,9 +86,10 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def boundary_uniforms(seed: int, step: int, shape: tuple[int, int]) -> torch.Tensor:
-    """Uniforms for the boundary samples of global step ``step`` (B, T): the same on every rank."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * (step + 1))
+def boundary_uniforms(seed: int, batch: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Uniforms (B, T) for the boundary samples of the ``batch``-th global batch drawn (optimizer
+    steps plus skipped steps before it; without skips, the step): the same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 7_919 * (batch + 1))
     return torch.rand(shape, generator=g)
 
 
@@ -179,8 +182,9 @@ def _grad_norm(model: nn.Module, clip: float) -> float:
     return float(norm)
 
 
-def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
-    """Train from ``step`` to the configured total, logging and checkpointing (rank 0 writes)."""
+def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
+    """Train from ``step`` to the configured total, logging and checkpointing (rank 0 writes).
+    ``skipped``: the steps skipped before ``step`` (a resumed run's checkpoint holds them)."""
     tc, d = lp.tc, lp.dist
     total = tc.total_steps
     warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
@@ -192,7 +196,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
     label = f"{out.parent.name}/{out.name}" if out.name.startswith("seed") else out.name
     bar = tqdm(total=total, initial=step, desc=label, unit="step", disable=not (tc.progress and d.main),
                dynamic_ncols=True, mininterval=1.0)
-    saved, skipped = step, 0
+    saved = step
     cfg = lp.raw.cfg
     elastic = (tc.ratios or [[r, 1.0] for r in cfg.elastic_ratios]) if getattr(cfg, "elastic_ratios", None) else None
     log = open(out / "metrics.jsonl", "a") if d.main else None
@@ -204,13 +208,14 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
                 g["lr"] = tc.lr * g["lr_mult"] * factor
             batch = as_batch(lp.sampler.next())  # the global batch (the model shifts the labels)
             x = batch["input_ids"]
-            u = boundary_uniforms(tc.seed, step, tuple(x.shape)) if lp.raw.cfg.is_concept else None
+            drawn = step + skipped  # global batches drawn before this one: keys its samples' draws
+            u = boundary_uniforms(tc.seed, drawn, tuple(x.shape)) if lp.raw.cfg.is_concept else None
             if cfg.is_concept and cfg.boundary_sharpness_final is not None:  # annealed boundary samples
                 lp.raw.sharpness_now = sharpness_at(cfg, step, total)
             if cfg.is_concept and cfg.router_confidence_start > 0:  # confidence term switched on late
                 lp.raw.confidence_now = confidence_weight_at(cfg, step, total)
             if elastic:  # each sequence's target R, sliced with the rows (training/elastic.py)
-                batch = {**batch, "ratio": sample_ratios(tc.seed, step * x.shape[0], x.shape[0], elastic)}
+                batch = {**batch, "ratio": sample_ratios(tc.seed, drawn * x.shape[0], x.shape[0], elastic)}
             lp.opt.zero_grad(set_to_none=True)
             loss, aux = forward_backward(lp, batch, u)
             gnorm = _grad_norm(lp.model, tc.grad_clip)
@@ -253,8 +258,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal) -> None:
                 log.flush()
             stopping = d.any(stop.signum is not None)
             if step % tc.save_every == 0 or step == total or stopping:
-                parallel_checkpoint.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position},
-                                 d, lp.plain)
+                parallel_checkpoint.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position,
+                                                                 "skipped": skipped}, d, lp.plain)
                 saved = step
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",

@@ -201,10 +201,10 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                 blk.compile(dynamic=True)
         model = distributed.parallelize(model, d, mode, dtype, tc.expert_parallel)
         opt = make_optimizer(model, tc)
-        step = 0
+        step, skipped = 0, 0
         if ckpt is not None:
             state = parallel_checkpoint.load(ckpt, model, opt, d)
-            step = int(state["step"])
+            step, skipped = int(state["step"]), int(state.get("skipped", 0))  # older checkpoints: none recorded
             data.sampler.set_position(state["data_position"])
         if d.main:
             if ckpt is not None:
@@ -214,7 +214,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         d.barrier()
         lp = Loop(tc, model, opt, data.sampler, out, data.validate, data.byte_len, d, lambda: build_model(mc), dtype)
         with StopOnSignal() as stop:
-            loop.run(lp, step, stop)
+            loop.run(lp, step, stop, skipped)
         # FSDP: the final evaluation (and the generation of vlm-digits) runs on full weights, as `eval` would
         final = data.final(parallel_checkpoint.full_model(model, lp.plain, d) if distributed.is_sharded(model)
                            else lp.raw)
