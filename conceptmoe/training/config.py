@@ -38,6 +38,9 @@ MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compressi
                               "concept_loops", "concept_n_experts", "concept_top_k")
 # Changing these on --resume would make a different run.
 RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed", "ratios")
+# What a resumed run keeps of its optimizer's settings: the lr schedule (peak, warmup, floor) and
+# the groups' decay and router multiplier (which the checkpointed optimizer state restores anyway).
+RUN_SCHEDULE = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "chunk_lr_mult")
 
 
 # The peak learning rate when --lr is not given, by model kind. The ConceptMoE's is half the MoE's:
@@ -166,9 +169,16 @@ class TrainConfig:
 
     @property
     def total_steps(self) -> int:
-        if self.max_steps is not None:
-            return self.max_steps
-        return max(1, math.ceil((self.tokens or DEFAULT_TOKENS) / (self.batch_size * self.seq_len)))
+        return schedule_steps(self.to_dict())
+
+
+def schedule_steps(train: dict[str, Any]) -> int:
+    """The optimizer steps of a run (a stored or given train config): --max-steps, or --tokens
+    (default DEFAULT_TOKENS) in global batches. The lr cosine, the boundary-sharpness anneal and
+    the confidence term's start are laid out over them."""
+    if train.get("max_steps") is not None:
+        return train["max_steps"]
+    return max(1, math.ceil((train.get("tokens") or DEFAULT_TOKENS) / (train["batch_size"] * train["seq_len"])))
 
 
 def comparable_model(model: dict[str, Any]) -> dict[str, Any]:

@@ -259,7 +259,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
             stopping = d.any(stop.signum is not None)
             if step % tc.save_every == 0 or step == total or stopping:
                 parallel_checkpoint.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position,
-                                                                 "skipped": skipped}, d, lp.plain)
+                                                                 "skipped": skipped, "total_steps": total}, d, lp.plain)
                 saved = step
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",
@@ -268,7 +268,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
                 bar.close()
                 signum = stop.signum or 15  # a rank that was not signalled itself stops with its peers
                 raise Interrupted(f"stopped by {stop.name or 'a peer'} at step {step}/{total}: checkpoint saved "
-                                  f"in {out}; continue with --resume", 128 + signum)
+                                  f"in {out}", 128 + signum, resume="continue with --resume")
     finally:
         if log is not None:
             log.close()

@@ -15,6 +15,7 @@ What is trained (and where) is a ``TrainConfig`` (``config.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ from ..model.lm import build_model
 from . import checkpoint as ck
 from ..parallel import distributed
 from . import loop, parallel_checkpoint
-from .config import RUN_IDENTITY, TrainConfig, comparable_model, default_out, model_config, resolve_data
+from .config import (RUN_IDENTITY, RUN_SCHEDULE, TrainConfig, comparable_model, default_out, model_config,
+                     resolve_data, schedule_steps)
 from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
 from ..parallel.distributed import Dist
 from .validation import evaluate_tokens
@@ -104,9 +106,12 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
                             f"a resumed run keeps its recorded init: leave out --init")
         # A run stopped before its first checkpoint has nothing to lose and starts over.
         trained = any((out / f).exists() for f in ("model.safetensors", "eval.json"))
-        if ck.latest_checkpoint(out) is None and trained:
+        latest = ck.latest_checkpoint(out)
+        if latest is None and trained:
             raise UserError(f"--resume: {out} holds trained weights but no checkpoint to resume from "
                             f"({ck.CKPT_DIR}/ is missing or damaged); nothing was changed")
+        if latest is not None:
+            check_schedule(tc, old, json.loads((latest / "state.json").read_text()), out)
         return stored
     if ck.never_trained(out):  # a failed start kept nothing: its files are rewritten below
         return None
@@ -116,6 +121,30 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
     elif not holds_only_lock(out) and not tc.force:
         raise UserError(f"{out} is not empty and holds no run; choose another --out or pass --force")
     return None
+
+
+def check_schedule(tc: TrainConfig, old: dict, state: dict, out: Path) -> None:
+    """A resumed run keeps its schedule (issue 41): the total it was laid out over (recorded in the
+    checkpoint; config.json's before the record) and its optimizer settings (``RUN_SCHEDULE``).
+    Another value would rescale the lr cosine, the sharpness anneal and the confidence term's start
+    mid-run, or rewrite the record of the steps already trained: refused, one line each."""
+    for k in RUN_SCHEDULE:
+        if k in old and old[k] != getattr(tc, k):
+            flag = f"--{k.replace('_', '-')}"
+            raise UserError(f"--resume: {out} was trained with {flag} {old[k]}; a resumed run keeps it "
+                            f"({flag} {getattr(tc, k)} would rewrite the record of the steps already trained): "
+                            f"leave out {flag}, or start a new run from this one with --init {out}")
+    step, total = int(state["step"]), int(state.get("total_steps") or schedule_steps(old))
+    want = tc.total_steps
+    if want == total:
+        return
+    given = f"--max-steps {tc.max_steps}" if tc.max_steps is not None else f"--tokens {tc.tokens}"
+    if want <= step:
+        raise UserError(f"--resume: {given} asks for {want} steps but {out} is already at step {step} "
+                        f"(of {total}): nothing would be trained; leave out --max-steps/--tokens")
+    raise UserError(f"--resume: {out} is a {total}-step run (at step {step}); {given} ({want} steps) would "
+                    f"rescale its lr cosine, boundary-sharpness anneal and confidence-term start mid-run: leave "
+                    f"out --max-steps/--tokens, or train on from the finished run with --init {out}")
 
 
 def train(tc: TrainConfig) -> Path:
