@@ -21,6 +21,7 @@ from ..bench.scan import run_and_report
 from ..bench.train import format_profile
 from ..bench.train import format_table as format_train_table
 from ..bench.train import run_train_bench
+from .bench_serve import register_bench as register_serve_bench
 from ..device import default_dtype, resolve_device
 from ..errors import UserError
 from ..files import write_json, write_text
@@ -55,10 +56,11 @@ def _words(text: str) -> list[str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="benchmarks: latency and train (MoE vs ConceptMoE), peak (matmul), scan, moe (vs transformers), prepare",
+    parser = sub.add_parser("bench", help="benchmarks: latency and train (MoE vs ConceptMoE), serve (throughput at a KV budget), peak (matmul), scan, moe (vs transformers), prepare",
                             description="Benchmarks.")
     bench = parser.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.required = True
+    register_serve_bench(bench)
     lat = bench.add_parser("latency", help="prefill and decode latency: MoE vs matched ConceptMoE",
                            description="Prefill and per-token decode latency of the MoE baseline "
                                        "and compute-matched ConceptMoE models, interleaved, medians. "

@@ -102,7 +102,7 @@ def create_app(engine: Engine, tok, limits: Limits, metrics: Metrics) -> FastAPI
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         req = EngineRequest(ids, p.max_tokens, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                            eos=engine.eos, ratio=p.concept_ratio)
+                            eos=[] if p.ignore_eos else engine.eos, ratio=p.concept_ratio)
         try:
             engine.submit(req)
         except Refused as e:
@@ -174,8 +174,9 @@ async def _stream(engine, req, queue, tracker, head, p: CompletionParams):
                 yield _sse(error_body(fail))
                 break
             text = tracker.pending(final=ev.finish_reason is not None)
-            ext = {"boundaries": ev.boundaries, "boundary_offsets": tracker.offsets(ev.boundaries)} \
-                if engine.concept else {}
+            ext = {"tokens": len(ev.tokens)}
+            if engine.concept:
+                ext.update(boundaries=ev.boundaries, boundary_offsets=tracker.offsets(ev.boundaries))
             if ev.finish_reason:
                 ext["summary"] = summary(engine, req, tracker, p.concept_ratio)
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
@@ -183,7 +184,7 @@ async def _stream(engine, req, queue, tracker, head, p: CompletionParams):
                 if p.include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(req)})
                 break
-            if text or ev.boundaries:
+            if text or ev.tokens or ev.boundaries:
                 yield _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
                             "conceptmoe": ext})
         yield "data: [DONE]\n\n"

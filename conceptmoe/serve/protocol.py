@@ -4,8 +4,9 @@
 ``ApiError`` with the status and message the client gets, in OpenAI's error JSON (``error_body``).
 Fields OpenAI defines that this server does not implement are refused when they would change the
 answer (``n`` > 1, ``logprobs``, ``echo``, penalties), never silently ignored; unknown fields are
-refused too. Extensions, which OpenAI clients pass through ``extra_body``: ``top_k`` (as vLLM)
-and ``concept_ratio`` (an elastic run's R for this request).
+refused too. Extensions, which OpenAI clients pass through ``extra_body``: ``top_k`` and ``ignore_eos``
+(as vLLM; the load generator asks for fixed output lengths) and ``concept_ratio`` (an elastic
+run's R for this request).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class CompletionParams:
     stream: bool = False
     include_usage: bool = False
     concept_ratio: float | None = None
+    ignore_eos: bool = False
 
 
 # Fields OpenAI defines that are accepted only at the value that changes nothing.
 NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
            "suffix": None, "logit_bias": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-         "stream_options", "concept_ratio", "user"} | set(NEUTRAL)
+         "stream_options", "concept_ratio", "ignore_eos", "user"} | set(NEUTRAL)
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's limit on stop sequences, and a sane length for each
 
 
@@ -139,9 +141,10 @@ def parse_completion(body, lim: Limits) -> CompletionParams:
     if model is not None and model != lim.model:
         raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{lim.model}'",
                        "model", code="model_not_found")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"'stream' must be true or false (got {stream!r})", "stream")
+    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
+    for name, v in (("stream", stream), ("ignore_eos", ignore_eos)):
+        if not isinstance(v, bool):
+            raise ApiError(400, f"'{name}' must be true or false (got {v!r})", name)
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}):
         raise ApiError(400, "'stream_options' may hold only 'include_usage'", "stream_options")
@@ -156,4 +159,4 @@ def parse_completion(body, lim: Limits) -> CompletionParams:
         top_p=top_p, top_k=None if top_k in (None, -1) else top_k,
         seed=_number(body, "seed", None, 0, 2**63 - 1, integer=True),
         stop=_stop(body), stream=stream, include_usage=bool((opts or {}).get("include_usage", False)),
-        concept_ratio=_ratio(body, lim))
+        concept_ratio=_ratio(body, lim), ignore_eos=ignore_eos)

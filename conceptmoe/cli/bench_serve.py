@@ -1,0 +1,76 @@
+"""``conceptmoe bench serve``: a load generator against servers it starts (``bench/serve.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+from ..files import write_json, write_text
+
+
+def _rate(text: str) -> float:
+    v = float(text)
+    if not (v > 0 or math.isinf(v)):
+        raise argparse.ArgumentTypeError("must be > 0 or inf")
+    return v
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 2,4 (got {text!r})") from None
+
+
+def register_bench(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("serve", help="serving throughput at a fixed KV budget: runs side by side",
+                         description="Start `conceptmoe serve` for each RUN in turn with the same --kv-cache-mb and "
+                                     "send every one the same requests (prompts from the first run's held-out "
+                                     "text); report request throughput, output tokens/s, TTFT and TPOT, the peak "
+                                     "number of sequences the KV pool held and KV bytes per token. Writes "
+                                     "serve.json and serve.md to --out. Needs the extra `serve`.")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories sharing one tokenizer")
+    p.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
+    p.add_argument("--len-spread", type=float, default=0.0,
+                   help="draw each length uniformly within ±this fraction (default 0: fixed)")
+    p.add_argument("--rate", type=_rate, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (default: no bound)")
+    p.add_argument("--kv-cache-mb", type=float, default=16.0, help="every server's KV budget in MiB (default 16)")
+    p.add_argument("--max-batch", type=int, default=64, help="every server's --max-batch (default 64)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="default fp32")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--threads", type=int, default=None, help="server torch threads (default: torch's)")
+    p.add_argument("--concept-ratios", type=_ratios, default=[],
+                   help="elastic runs: measure at each of these R, e.g. 2,4 (other runs: ignored)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    p.add_argument("--seed", type=int, default=0, help="request draws and sampling seed (default 0)")
+    p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from ..bench.serve import ServeBenchSettings, format_table, run_serve_bench
+    except ImportError as e:
+        raise UserError(f"bench serve needs the extra `serve`: pip install -e \".[serve]\" ({e})") from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # fails now, not after the measurement
+    s = ServeBenchSettings(runs=args.runs, requests=args.requests, prompt_len=args.prompt_len,
+                           output_len=args.output_len, len_spread=args.len_spread, rate=args.rate,
+                           concurrency=args.concurrency, kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
+                           dtype=args.dtype, device=args.device, threads=args.threads,
+                           concept_ratios=args.concept_ratios, seed=args.seed, temperature=args.temperature)
+    report = run_serve_bench(s)
+    table = format_table(report)
+    print(table)
+    report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate  # strict JSON: no Infinity
+    write_json(out / "serve.json", report)
+    write_text(out / "serve.md", table + "\n")
+    print(f"wrote {out / 'serve.json'}", file=sys.stderr)
+    return 0

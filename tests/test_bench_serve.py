@@ -1,0 +1,44 @@
+"""``conceptmoe bench serve``: the same requests to each run's own server, figures side by side."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_helpers import concept_run
+
+from conceptmoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-serve")
+    concept_run(root / "moe", seed=1, kind="moe", seq_len=64)
+    concept_run(root / "elastic", seed=2, seq_len=64, elastic_ratios=[1.5, 2.0, 3.0], ratio_embedding="router+concept")
+    return root
+
+
+def test_bench_serve_reports_runs_side_by_side(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    code = main(["bench", "serve", str(runs / "moe"), str(runs / "elastic"), "--requests", "6", "--prompt-len", "8",
+                 "--output-len", "6", "--len-spread", "0.5", "--kv-cache-mb", "0.05", "--max-batch", "4",
+                 "--concept-ratios", "1.5,3", "--threads", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "serve.json").read_text())  # strict JSON: Infinity would not parse back as such
+    rows = report["rows"]
+    assert [r["label"] for r in rows] == ["moe", "elastic R=1.5", "elastic R=3"]
+    assert len({r["output_tokens"] for r in rows}) == 1  # EOS ignored: every run makes the same tokens
+    for r in rows:
+        assert r["requests"] == 6 and 1 <= r["peak_concurrent"] <= 4 and r["output_tokens_per_s"] > 0
+        assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["kv_bytes_per_token"] > 0
+    assert rows[0]["compression"] == 1.0 and rows[2]["compression"] > rows[1]["compression"] > 1
+    assert rows[2]["kv_bytes_per_token"] < rows[1]["kv_bytes_per_token"] < rows[0]["kv_bytes_per_token"]
+    assert report["machine"]["cpu_flags"] is not None and "| elastic R=3 |" in (out / "serve.md").read_text()
+
+
+def test_bench_serve_refusals(runs, tmp_path, capsys):
+    assert main(["bench", "serve", str(runs / "moe"), "--concept-ratios", "2,2", "--out", str(tmp_path)]) == 2
+    assert "twice" in capsys.readouterr().err
+    assert main(["bench", "serve", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
