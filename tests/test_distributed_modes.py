@@ -81,6 +81,8 @@ def runs(tmp_path_factory):
     # bf16, one process vs DDP vs expert parallelism (whose experts must run on the bf16 rows too)
     one_a.append(run("bf16-one", "moe", max_steps=2, dtype="bf16"))
     two.append(run("bf16-ep", "moe", max_steps=2, dtype="bf16", **MODES["ep"]))
+    # the README's compute-matched ConceptMoE (tiny: 7 concept experts unconstrained) under EP 2
+    two.append(run("ep-matched", max_steps=2, strategy="topk", **MODES["ep"]))
     # resume: 2 -> 2, 1 -> 2, 2 -> 1 in every mode (expert parallelism exists only with 2)
     for mode, flags in MODES.items():
         single = {} if mode == "ep" else flags
@@ -220,3 +222,12 @@ def test_bf16_two_processes_equal_one(runs, mode):
     if mode == "ep":  # EP and DDP reduce the same bf16 products: grad norms 1.2e-7 apart (fp32 rows: 2.2e-5)
         ddp = _rows(runs, "bf16-ddp")
         assert abs(rows[0]["grad_norm"] - ddp[0]["grad_norm"]) / ddp[0]["grad_norm"] <= 2e-6
+
+
+def test_expert_parallelism_trains_the_compute_matched_conceptmoe(runs):
+    # under --expert-parallel 2 the match takes a concept-expert count 2 divides (default of
+    # --experts-multiple-of); before, the solver's 7 experts were refused
+    root = runs[0]
+    assert len(_rows(runs, "ep-matched")) == 2
+    stored = ck.read_run_config(root / "ep-matched")
+    assert stored["model"]["concept_n_experts"] % 2 == 0 and stored["train"]["experts_multiple_of"] == 2

@@ -6,6 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from conceptmoe import ModelConfig, build_model
 from conceptmoe.cli import main
+from conceptmoe.errors import UserError
 from conceptmoe.model.flops import count_flops
 from conceptmoe.model.match import match_config
 
@@ -126,3 +127,40 @@ def test_cli_bad_input_one_line_error(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+@pytest.mark.parametrize("preset, multiple", [("tiny", 2), ("small", 2), ("small", 4), ("small", 8)])
+@pytest.mark.parametrize("strategy", ["topk", "layers", "loop"])
+def test_match_with_a_shardable_expert_count(preset, multiple, strategy):
+    base = ModelConfig.from_preset(preset, kind="moe")
+    try:
+        res = match_config(base, 2.0, strategy, experts_multiple_of=multiple)
+    except UserError as e:  # tiny has 8 experts: not every strategy finds a multiple within 3%
+        assert preset == "tiny" and "--experts-multiple-of" in str(e)
+        return
+    free = match_config(base, 2.0, strategy)
+    assert res.config.concept_experts % multiple == 0 and res.config.n_experts % multiple == 0
+    assert res.error <= 0.03
+    assert res.constraint == {"experts_multiple_of": multiple, "error": res.error, "unconstrained_error": free.error}
+    assert res.error >= free.error - 1e-12  # the constraint can only cost
+    assert res.to_dict()["constraint"] == res.constraint and "constraint" not in free.to_dict()
+    f = count_flops(res.config)
+    assert res.flops_ratio == pytest.approx(f["activated_flops_per_token"] / res.baseline["activated_flops_per_token"])
+
+
+def test_the_small_default_match_is_shardable_when_asked():
+    base = ModelConfig.from_preset("small", kind="moe")
+    assert match_config(base, 2.0, "topk").config.concept_experts == 29  # prime: no EP degree shards it
+    assert match_config(base, 2.0, "topk", experts_multiple_of=2).config.concept_experts % 2 == 0
+    with pytest.raises(UserError, match="--experts-multiple-of 3: the baseline's token-rate layers have 32"):
+        match_config(base, 2.0, "topk", experts_multiple_of=3)
+    with pytest.raises(UserError, match="multiple of 8 concept experts"):
+        match_config(ModelConfig.from_preset("tiny", kind="moe"), 2.0, "topk", experts_multiple_of=8)
+
+
+def test_cli_match_reports_the_cost_of_the_constraint(capsys):
+    assert main(["match", "--baseline", "small", "--ratio", "2", "--experts-multiple-of", "4"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("experts a multiple of 4: matching error 1.51% (unconstrained 0.39%)"), line
+    assert main(["match", "--baseline", "small", "--ratio", "2", "--experts-multiple-of", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["constraint"]["experts_multiple_of"] == 4

@@ -57,7 +57,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
 
 def cmd_match(args: argparse.Namespace) -> int:
     base = _load_config(args.baseline, None, args.set).replace(kind="moe")
-    res = match_config(base, args.ratio, args.strategy, seq_len=args.seq_len)
+    res = match_config(base, args.ratio, args.strategy, seq_len=args.seq_len,
+                       experts_multiple_of=args.experts_multiple_of)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
@@ -70,6 +71,10 @@ def cmd_match(args: argparse.Namespace) -> int:
     c = res.config
     print(f"layers {c.n_encoder_layers}+{c.n_concept_layers}x{c.concept_loops}+{c.n_decoder_layers}, "
           f"concept experts {c.concept_experts} top-{c.concept_k}, token-layer top-{c.top_k}")
+    if res.constraint:
+        k = res.constraint
+        print(f"experts a multiple of {k['experts_multiple_of']}: matching error {k['error']:.2%} "
+              f"(unconstrained {k['unconstrained_error']:.2%})")
     return 0
 
 
@@ -92,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a baseline field")
     p.add_argument("--ratio", type=finite_float, default=2.0, help="compression ratio R (default 2)")
     p.add_argument("--strategy", choices=STRATEGIES, default="topk", help="how saved compute is reinvested")
+    p.add_argument("--experts-multiple-of", type=int, default=1, metavar="N",
+                   help="concept-expert counts N divides only (shardable by --expert-parallel N); the report "
+                        "gives the matching error this costs")
     p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the reported attention FLOPs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_match)

@@ -32,7 +32,7 @@ MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a
 _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
                 "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
-                "dtype", "compile", "expert_parallel")
+                "dtype", "compile", "expert_parallel", "experts_multiple_of")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +89,9 @@ def _register_train(sub) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16 (printed at the start), else fp32")
     p.add_argument("--expert-parallel", type=int, metavar="S",
                    help="under torchrun: shard every MoE layer's experts over groups of S processes (default 1)")
+    p.add_argument("--experts-multiple-of", type=int, metavar="N",
+                   help="--strategy: match with a concept-expert count N divides, so that --expert-parallel N "
+                        "can shard it (default: the --expert-parallel degree)")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     p.add_argument("--skip-bad-steps", type=int, metavar="N",
                    help="skip up to N steps whose loss or gradient is not finite (default 0: stop at the first)")

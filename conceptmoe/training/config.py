@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..model.config import ModelConfig
-from ..model.match import match_config
+from ..model.match import MatchResult, match_config
 from . import checkpoint as ck
 from ..data.corpus import DEFAULT_CORPUS
 from ..data.recipes import RECIPES
@@ -84,6 +84,8 @@ class TrainConfig:
     dtype: str | None = None  # "fp32" | "bf16" (default: device.default_dtype)
     compile: bool = False  # torch.compile each block
     expert_parallel: int = 1  # processes sharing one layer's experts (torchrun)
+    # --strategy: the matched ConceptMoE's concept experts a multiple of this (None: --expert-parallel)
+    experts_multiple_of: int | None = None
     tokenizer: str | None = None  # reuse this tokenizer.json instead of training one
     init: str | None = None  # start from this run's weights, model config and tokenizer (continual training)
     init_model: dict[str, Any] | None = None  # the init run's model config, stored so that --resume needs only the run
@@ -106,12 +108,17 @@ class TrainConfig:
         if self.dtype is not None and self.dtype not in ("fp32", "bf16"):
             raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
         for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens",
-                     "grad_accum", "expert_parallel"):
+                     "grad_accum", "expert_parallel", "experts_multiple_of"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer (got {v!r})")
         if self.parallel == "fsdp" and self.expert_parallel > 1:
             raise UserError("--expert-parallel combines with --parallel ddp, not fsdp")
+        if self.experts_multiple_of is not None and not self.strategy:
+            raise UserError("--experts-multiple-of constrains the compute-matched ConceptMoE (--strategy); "
+                            "this run has no --strategy")
+        if self.strategy and self.experts_multiple_of is None:  # shardable by this launch's expert parallelism
+            self.experts_multiple_of = self.expert_parallel
         for name in ("warmup_steps", "eval_every", "skip_bad_steps"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
@@ -160,6 +167,8 @@ class TrainConfig:
             d.pop(transient)
         if d["ratios"] is None:  # a fixed-R run's config stays as it was before --ratios existed
             del d["ratios"]
+        if d["experts_multiple_of"] in (None, 1):  # likewise before --experts-multiple-of
+            del d["experts_multiple_of"]
         return d
 
     @classmethod
@@ -229,15 +238,20 @@ def model_config(tc: TrainConfig) -> ModelConfig:
         raise flag_error(e) from None
 
 
+def match_result(tc: TrainConfig) -> MatchResult:
+    """The compute match of a --strategy run: the ConceptMoE matched to the preset's MoE (its
+    constraint's cost in ``.constraint``). Ablation knobs change the ConceptMoE, not the baseline."""
+    shared = {k: v for k, v in tc.overrides.items() if k not in CONCEPT_ONLY}
+    base = ModelConfig.from_preset(tc.preset, **{**shared, "kind": "moe"})
+    return match_config(base, tc.ratio, tc.strategy, experts_multiple_of=tc.experts_multiple_of or 1)
+
+
 def _model_config(tc: TrainConfig) -> ModelConfig:
     try:
         if tc.init_model is not None:  # --init: the init run's model, with --set on top
             return ModelConfig.from_dict({**tc.init_model, **tc.overrides})
         if tc.strategy:
-            # Ablation knobs change the ConceptMoE, not the baseline it is matched to.
-            shared = {k: v for k, v in tc.overrides.items() if k not in CONCEPT_ONLY}
-            base = ModelConfig.from_preset(tc.preset, **{**shared, "kind": "moe"})
-            mc = match_config(base, tc.ratio, tc.strategy).config
+            mc = match_result(tc).config
             return mc.replace(**{k: v for k, v in tc.overrides.items() if k in CONCEPT_ONLY})
         kind = {"kind": tc.model}
         if tc.model == "conceptmoe":
@@ -260,6 +274,8 @@ def resolve_train_config(given: dict[str, Any], resume: bool = False, force: boo
         out = Path(given.get("out") or default_out(probe, model_config(probe)))
         if ck.is_run(out):
             stored = TrainConfig.from_dict(ck.read_run_config(out).get("train", {})).to_dict()
+            if stored.get("strategy"):  # the constraint it was matched under, not this launch's default
+                stored.setdefault("experts_multiple_of", 1)
             if "max_steps" in given or "tokens" in given:
                 stored.pop("max_steps"), stored.pop("tokens")
             for launch in ("parallel", "expert_parallel"):  # chosen per launch, like the process count

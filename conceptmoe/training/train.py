@@ -31,7 +31,7 @@ from . import checkpoint as ck
 from ..parallel import distributed
 from . import loop, parallel_checkpoint
 from .config import (RUN_IDENTITY, RUN_SCHEDULE, TrainConfig, comparable_model, default_out, model_config,
-                     resolve_data, schedule_steps)
+                     match_result, resolve_data, schedule_steps)
 from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
 from ..parallel.distributed import Dist
 from .validation import evaluate_tokens
@@ -212,6 +212,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         if tc.progress and d.main:
             print(data.note + (f"; {d.world} processes ({mode}, {dtype})" if d.world > 1 else ""), file=sys.stderr)
             print(dnote, file=sys.stderr)
+            if tc.strategy and (tc.experts_multiple_of or 1) > 1:
+                print(_constraint_note(tc, mc), file=sys.stderr)
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
         if tc.init and ckpt is None:  # not resuming: start from --init
@@ -253,6 +255,13 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
         d.barrier()
     return out
+
+
+def _constraint_note(tc: TrainConfig, mc: ModelConfig) -> str:
+    """What --experts-multiple-of cost the compute match (model/match.py), one line."""
+    k = match_result(tc).constraint
+    return (f"compute match: {mc.concept_experts} concept experts, a multiple of {k['experts_multiple_of']} "
+            f"(--experts-multiple-of): matching error {k['error']:.2%} (unconstrained {k['unconstrained_error']:.2%})")
 
 
 def _precision(tc: TrainConfig, device, resumed: dict | None) -> tuple[str, str, str]:

@@ -1,0 +1,37 @@
+"""--experts-multiple-of (issue 41): a --strategy run is matched with a concept-expert count that
+expert parallelism can shard (default: the --expert-parallel degree), recorded in the run so that
+a resume in another layout rebuilds the same model."""
+
+import pytest
+
+from conceptmoe.cli import build_parser, main
+from conceptmoe.cli.training import train_config_from_args
+from conceptmoe.training.config import TrainConfig, model_config
+
+
+def _parse(*argv):
+    return train_config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_the_expert_parallel_degree_is_the_default_constraint():
+    assert model_config(TrainConfig(preset="small", strategy="topk")).concept_experts == 29
+    for s in (2, 4):
+        tc = TrainConfig(preset="small", strategy="topk", expert_parallel=s)
+        assert tc.experts_multiple_of == s and model_config(tc).concept_experts % s == 0
+        assert tc.to_dict()["experts_multiple_of"] == s
+    tc = _parse("--preset", "tiny", "--experts-multiple-of", "2")
+    assert tc.experts_multiple_of == 2 and model_config(tc).concept_experts == 6
+    assert "experts_multiple_of" not in TrainConfig(preset="small", strategy="topk").to_dict()  # as before
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "moe", "--experts-multiple-of", "2"], "--experts-multiple-of constrains"),
+    (["--strategy", "none", "--experts-multiple-of", "2"], "--experts-multiple-of constrains"),
+    (["--experts-multiple-of", "0"], "--experts-multiple-of must be a positive integer"),
+    (["--preset", "tiny", "--experts-multiple-of", "8"], "multiple of 8 concept experts"),
+])
+def test_bad_constraints_are_refused_in_one_line(capsys, tmp_path, argv, words):
+    assert main(["train", "--out", str(tmp_path / "run"), "--max-steps", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "run").exists()
