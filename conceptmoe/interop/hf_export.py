@@ -38,10 +38,11 @@ from ..lock import held
 from ..training.checkpoint import load_run
 from ..training.conventions import eos_list, max_length, prefix_id, token_ids
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
+from .model_card import model_card
 
 PAD = "<|pad|>"
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", "special_tokens_map.json", *REMOTE_FILES)
+            "tokenizer_config.json", "special_tokens_map.json", "README.md", *REMOTE_FILES)
 
 
 def _transformers():
@@ -85,4 +86,5 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
     with held(out), building(out, "export-hf", force, (out / "config.json").is_file()) as tmp:
         hf.save_pretrained(tmp)  # config, weights, generation config and the remote-code files
         hf_tok.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(run, run_cfg, cfg, concept_ratio), encoding="utf-8")
     return out

@@ -40,6 +40,7 @@ from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
 from ..training.conventions import max_length, token_ids
+from .model_card import model_card
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
 
@@ -218,4 +219,5 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _copy(run / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "config.json", hf)
+        (tmp / "README.md").write_text(model_card(run, run_cfg, cfg), encoding="utf-8")
     return out
