@@ -15,6 +15,7 @@ import torch
 from conceptmoe.errors import UserError
 from conceptmoe.evaluation.compare import CompareConfig, compare
 from conceptmoe.evaluation.continual import CTConfig, continual_compare
+from conceptmoe.lock import RunLock
 from conceptmoe.training import checkpoint as ck
 from conceptmoe.training.config import TrainConfig
 from conceptmoe.training.jobs import TrainJob, train_runs
@@ -131,3 +132,75 @@ def test_a_stop_while_the_workers_start_loses_no_signal(tmp_path):
     # every run stopped (at once, or at a step with a checkpoint): none trained to its end
     assert not list(out.glob("*/seed0/eval.json"))
     assert all("stopped" in (out / "logs" / f"{m}-seed0.log").read_text() for m in ("moe", "topk-R2"))
+
+
+def _children(pid):
+    """Pids of the processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid):
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_of_a_killed_compare_stop_within_seconds(tmp_path):
+    """SIGKILL to compare (no forwarding possible): its workers notice, checkpoint and exit."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "cmp"
+    args = ["compare", "--preset", "tiny", "--data", str(corpus), "--tokens", str(4 * 32 * 20000), "--batch-size",
+            "4", "--seq-len", "32", "--seeds", "0", "--device", "cpu", "--jobs", "2", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = [out / "moe" / "seed0", out / "topk-R2" / "seed0"]
+    deadline = time.time() + 120
+    while time.time() < deadline and not all(r.is_dir() and len(ck.read_metrics(r)) >= 5 for r in runs):
+        time.sleep(0.5)
+    workers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    assert len(workers) == 2 and proc.poll() is None
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.5)
+    left = [p for p in workers if _alive(p)]
+    for p in left:  # only the workers this test started, by pid
+        os.kill(p, signal.SIGKILL)
+    assert not left, "orphaned workers kept training"
+    for r in runs:  # stopped where it was, checkpoint at its last step, lock released
+        last = ck.read_metrics(r)[-1]["step"]
+        assert ck.latest_checkpoint(r).name == f"step-{last:08d}" and last < 20000, last
+        assert not (r / "eval.json").exists()
+        with RunLock(r):  # released: the same command can resume it
+            pass
+
+
+def test_a_stopped_sequential_compare_says_how_to_resume_it(tmp_path):
+    """compare has no --resume: the message names what does resume it."""
+    corpus = make_corpus(tmp_path / "corpus")
+    out = tmp_path / "cmp"
+    args = ["compare", "--preset", "tiny", "--data", str(corpus), "--tokens", str(4 * 32 * 20000), "--batch-size",
+            "4", "--seq-len", "32", "--seeds", "0", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = out / "moe" / "seed0"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run.is_dir() and len(ck.read_metrics(run)) >= 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 128 + signal.SIGTERM and "--resume" not in err, err
+    assert last.startswith("interrupted: stopped by SIGTERM") and "rerun the same command to resume" in last, last

@@ -120,16 +120,20 @@ def setup(device: str = "auto") -> Dist:
     return Dist(world, rank, local, dev, mesh)
 
 
-def watch_parent(interval: float = PARENT_POLL_S) -> None:
-    """SIGTERM this worker when its parent (the torchrun agent) dies: the run then stops like a
-    scheduler's SIGTERM stops it (checkpoint, lock released) instead of training on, orphaned.
-    A thread polls ``os.getppid()``: an orphan is re-parented (to init or a subreaper)."""
+def watch_parent(interval: float = PARENT_POLL_S, on_orphan=None) -> None:
+    """SIGTERM this worker when its parent (the torchrun agent, compare's process) dies: the run
+    then stops like a scheduler's SIGTERM stops it (checkpoint, lock released) instead of training
+    on, orphaned. A thread polls ``os.getppid()``: an orphan is re-parented (to init or a
+    subreaper). ``on_orphan`` replaces the SIGTERM (``training/jobs.py``: and then exit)."""
     parent = os.getppid()
 
     def poll() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if on_orphan is None:
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            on_orphan()
 
     threading.Thread(target=poll, name="conceptmoe-parent-watch", daemon=True).start()
 

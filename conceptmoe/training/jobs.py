@@ -27,12 +27,14 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Interrupted, UserError
+from ..parallel.distributed import watch_parent
 from .config import TrainConfig
 from .signals import SIGNALS, StopOnSignal
 
@@ -56,6 +58,10 @@ def check_jobs(jobs: int) -> None:
         raise UserError(f"--jobs must be at least 1 (got {jobs})")
 
 
+# How a stopped comparison continues: it has no --resume (finished runs are reused, stopped ones resume).
+RERUN = "rerun the same command to resume (the same --out)"
+
+
 def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
     """Train every task, ``jobs`` at a time (see the module docstring)."""
     from .train import train
@@ -64,7 +70,10 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
     if jobs == 1 or len(tasks) <= 1:
         for t in tasks:
             print(f"== {t.label} -> {t.config.out}", flush=True)
-            train(t.config)
+            try:
+                train(t.config)
+            except Interrupted as e:
+                raise e.resumed_by(RERUN) from None
         return
     jobs = min(jobs, len(tasks))
     ctx = mp.get_context("spawn")
@@ -104,7 +113,7 @@ def train_runs(tasks: list[TrainJob], jobs: int = 1) -> None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, stop.signum)
     if stop.signum is not None:
-        raise Interrupted(f"stopped on {stop.name}; rerun the same command to resume", 128 + stop.signum)
+        raise Interrupted(f"stopped on {stop.name}", 128 + stop.signum, resume=RERUN)
     if failures:
         t, message = failures[0]
         others = f" ({len(failures) - 1} more failed)" if len(failures) > 1 else ""
@@ -142,12 +151,14 @@ def _gpus(tasks: list[TrainJob]) -> list[str]:
 
 
 _STOPPING = None  # the parent's stop event, in a worker
+_IN_RUN = threading.Event()  # set while a worker is inside ``_train_one``
 
 
 def _init_worker(slots, pids, stopping, threads: int | None, gpus: list[str]) -> None:
     global _STOPPING
     _STOPPING = stopping
     _ignore_signals()  # between runs: a worker that died here would break the pool (and kill the others)
+    watch_parent(on_orphan=_stop_orphan)
     slot = slots.get()
     pids.put(os.getpid())
     if gpus:  # before the worker's first CUDA call
@@ -166,6 +177,7 @@ def _train_one(task: TrainJob) -> tuple[str, str, float]:
     t0 = time.time()
     sys.stdout.flush()
     sys.stderr.flush()
+    _IN_RUN.set()
     with open(task.log, "a", buffering=1) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -193,6 +205,20 @@ def _train_one(task: TrainJob) -> tuple[str, str, float]:
             _ignore_signals()
             sys.stdout.flush()
             sys.stderr.flush()
+            _IN_RUN.clear()
+
+
+def _stop_orphan() -> None:
+    """The comparison's process died (SIGKILL, out of memory): stop the run this worker trains
+    as SIGTERM stops it (checkpoint kept, lock released), then exit. Nothing would ever collect
+    its result or hand it another run: the pool's queues would keep it waiting for ever."""
+    while _IN_RUN.is_set():  # again each second: the first may land where signals are ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10):
+            if not _IN_RUN.is_set():
+                break
+            time.sleep(0.1)
+    os._exit(128 + signal.SIGTERM)
 
 
 def _ignore_signals() -> None:
