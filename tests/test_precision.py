@@ -2,6 +2,8 @@
 `bench train` / `bench latency` / `train` under --dtype (tiny sizes; timings are not asserted)."""
 
 import json
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,21 +48,45 @@ def test_default_dtype_follows_the_cpu(flags, monkeypatch):
 
 def test_cpuinfo_is_read():
     """On Linux the flags come from /proc/cpuinfo (a real file, parsed into words)."""
-    assert "fpu" in device._cpu_flags() or not device._cpu_flags()
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo here (not Linux)")
+    lines = [ln for ln in cpuinfo.read_text().splitlines() if ln.startswith(("flags", "Features"))]
+    assert lines, "/proc/cpuinfo lists no flags"
+    listed = set(lines[0].split(":", 1)[1].split())
+    flags = device._cpu_flags()
+    assert listed and listed <= flags, sorted(listed - flags)[:10]
+    if platform.machine() in ("x86_64", "AMD64", "i686"):
+        assert "fpu" in flags and ("avx2" in flags) == ("avx2" in listed)
 
 
-def test_bench_peak_json(tmp_path, capsys):
+def test_bench_peak_json(tmp_path, capsys, monkeypatch):
+    # A machine whose matmuls run at a known rate: a clock that only the timed product advances,
+    # by 2·M·K·N / rate (50 GFLOP/s in fp32, 400 in bf16). The report must read those rates back
+    # for every shape (not a rate re-derived from its own seconds), and each dtype's peak its own.
+    from types import SimpleNamespace
+
+    from conceptmoe.bench import peak
+
+    rate = {torch.float32: 50e9, torch.bfloat16: 400e9}
+    clock = [0.0]
+    monkeypatch.setattr(peak, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def mm(a, b, out=None):  # no arithmetic: the product's time is the clock's
+        clock[0] += 2 * a.shape[0] * a.shape[1] * b.shape[1] / rate[a.dtype]
+        return out
+    monkeypatch.setattr(torch, "mm", mm)
     assert main(["bench", "peak", "--preset", "tiny", "--tokens", "64", "--min-time", "0.001", "--threads", "1",
                  "--json", "--out", str(tmp_path)]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res == json.loads((tmp_path / "peak.json").read_text())
-    assert res["threads"] == 1 and set(res["peak_gflops"]) == {"fp32", "bf16"}
-    for dt in ("fp32", "bf16"):
+    assert res["threads"] == 1 and res["peak_gflops"] == pytest.approx({"fp32": 50.0, "bf16": 400.0}, rel=1e-6)
+    for dt, want in (("fp32", 50.0), ("bf16", 400.0)):
         rows = [r for r in res["rows"] if r["dtype"] == dt]
         assert [r["shape"] for r in rows][:2] == ["square 1024", "square 2048"] and len(rows) >= 6
-        for r in rows:  # rate = 2 M K N / seconds
-            assert r["gflops"] == pytest.approx(2 * r["M"] * r["K"] * r["N"] / r["seconds"] / 1e9)
-        assert res["peak_gflops"][dt] == max(r["gflops"] for r in rows)
+        for r in rows:
+            assert r["gflops"] == pytest.approx(want, rel=1e-6), r  # a float clock: sums round
+            assert r["seconds"] == pytest.approx(2 * r["M"] * r["K"] * r["N"] / (want * 1e9), rel=1e-6), r
     assert main(["bench", "peak", "--threads", "-1"]) == 2
     assert main(["bench", "peak", "--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err

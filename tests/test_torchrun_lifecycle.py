@@ -41,18 +41,20 @@ def test_killing_the_agent_stops_every_worker(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "conceptmoe",
            "train", "--model", "moe", "--preset", "tiny", "--data", str(corpus), "--out", str(out),
-           "--max-steps", "100000", "--save-every", "5", "--batch-size", "4", "--seq-len", "32",
+           "--max-steps", "100000", "--save-every", "100000", "--batch-size", "4", "--seq-len", "32",
            "--eval-every", "0", "--device", "cpu", "--dtype", "fp32"]
     log = open(tmp_path / "log.txt", "w")
     agent = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=log)
     workers: list[int] = []
     try:
         deadline = time.time() + 120
-        while ck.latest_checkpoint(out) is None or len(ck.read_metrics(out)) < 7:
+        while not (out / "metrics.jsonl").is_file() or len(ck.read_metrics(out)) < 7:
             assert agent.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
             time.sleep(0.05)
         workers = _children(agent.pid)
         assert len(workers) == 2, workers
+        # --save-every 100000: no periodic checkpoint, so one after the kill is the stop path's
+        assert ck.latest_checkpoint(out) is None
         agent.kill()  # SIGKILL: the agent cannot pass anything on
         agent.wait()
         t0 = time.time()
@@ -63,8 +65,10 @@ def test_killing_the_agent_stops_every_worker(tmp_path):
         with RunLock(out):  # released
             pass
         kept = ck.latest_checkpoint(out)
+        assert kept is not None, "the workers stopped without the checkpoint of the SIGTERM path"
         state, _, _ = ck.read_checkpoint(kept)
-        assert state["step"] >= 5 and (out / "model.safetensors").is_file()
+        rows = ck.read_metrics(out)  # the stop path saves the step it logged last
+        assert state["step"] >= 7 and state["step"] == rows[-1]["step"] and (out / "model.safetensors").is_file()
     finally:
         for w in workers:  # the workers this test started, should they still run
             if _alive(w):
