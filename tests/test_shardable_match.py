@@ -35,3 +35,30 @@ def test_bad_constraints_are_refused_in_one_line(capsys, tmp_path, argv, words):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_compare_matches_every_conceptmoe_under_the_constraint():
+    from conceptmoe.evaluation.compare import CompareConfig, plan
+
+    cc = CompareConfig(preset="small", strategies=["topk", "layers", "loop"], ratios=[1.5, 2.0],
+                       ablations=True, experts_multiple_of=4,
+                       variants={"v": {"strategy": "topk", "ratio": 2.0, "set": {"ratio_loss_weight": 0.1}}})
+    models = dict(plan(cc))
+    assert model_config(models.pop("moe")).n_experts == 32
+    for label, tc in models.items():
+        assert model_config(tc).concept_experts % 4 == 0, label
+    assert cc.to_dict()["experts_multiple_of"] == 4
+    assert "experts_multiple_of" not in CompareConfig(preset="small").to_dict()  # as recorded before the flag
+    args = build_parser().parse_args(["compare", "--experts-multiple-of", "2"])
+    assert args.experts_multiple_of == 2
+
+
+def test_convert_checks_the_sources_expert_count(tmp_path, capsys):
+    from test_convert import moe_run
+
+    src = moe_run(tmp_path / "moe", n_experts=6)
+    assert main(["convert", str(src), "--out", str(tmp_path / "cm"), "--experts-multiple-of", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--experts-multiple-of 4" in err[0] and "6 experts" in err[0], err
+    assert not (tmp_path / "cm").exists()
+    assert main(["convert", str(src), "--out", str(tmp_path / "cm"), "--experts-multiple-of", "3"]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UserError
 from ..interop.convert import STRATEGIES, convert_run
 from ..model.config import parse_overrides
 from ..model.flops import count_flops
@@ -36,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", choices=STRATEGIES,
                    help="compute-matched to the source's activated FLOPs: topk (more activated experts in "
                         "the concept layers) or loop (loop count); layers is refused (new parameters)")
+    p.add_argument("--experts-multiple-of", type=int, metavar="N",
+                   help="check that N divides every layer's expert count (shardable by --expert-parallel N); "
+                        "convert keeps the source's experts, so the source decides it")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a ConceptMoE field, e.g. --set concept_pooling=mean (repeatable)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the new modules' init (default 0)")
@@ -45,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     overrides = parse_overrides(args.overrides)
+    N = args.experts_multiple_of
+    if N is not None:
+        E = model_config_of(read_run_config(args.src)).n_experts
+        if N < 1 or E % N:
+            raise UserError(f"--experts-multiple-of {N}: {args.src} has {E} experts per layer and convert keeps "
+                            f"them (no new parameters): expert parallelism over {N} processes cannot shard it")
     if args.ratios is not None:
         overrides["elastic_ratios"] = [r for r, _ in parse_ratios(args.ratios)]
     out = convert_run(args.src, args.out, ratio=args.ratio, split=args.split, loops=args.loops,

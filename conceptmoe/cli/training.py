@@ -265,6 +265,9 @@ def _register_compare(sub) -> None:
                         "AMX-BF16 / AVX512-BF16 CPUs, else fp32; a resumed run keeps its recorded one); runs "
                         "finished in another precision count as different settings")
     p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
+    p.add_argument("--experts-multiple-of", type=int, metavar="N",
+                   help="match every ConceptMoE with a concept-expert count N divides (shardable by "
+                        "--expert-parallel N; default 1)")
     p.add_argument("--init", metavar="MOE_RUN",
                    help="continual-training mode: continue this MoE run vs its ConceptMoE conversions (default "
                         "--ratios 1.5,2, --strategies topk,loop: loop = concept layers run twice) for --tokens "
@@ -288,7 +291,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if value is not None:
             raise UserError(f"{flag} applies to the continual-training mode (--init)")
     given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
-                                          "out", "batch_size", "seq_len", "lr", "device", "dtype")
+                                          "out", "batch_size", "seq_len", "lr", "device", "dtype",
+                                          "experts_multiple_of")
              if getattr(args, k) is not None}
     if args.overrides is not None:
         given["overrides"] = parse_overrides(args.overrides)
@@ -304,8 +308,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _cmd_compare_ct(args: argparse.Namespace) -> int:
     from ..evaluation.continual import CTConfig, continual_compare
 
-    if args.ablations or args.preset or args.data:
-        raise UserError("--init compares continual training from that run: leave out --ablations, --preset and --data")
+    if args.ablations or args.preset or args.data or args.experts_multiple_of is not None:
+        raise UserError("--init compares continual training from that run: leave out --ablations, --preset, --data "
+                        "and --experts-multiple-of")
     if args.seeds is not None and len(args.seeds) != 1:
         raise UserError("--init runs one seed: give --seeds N with a single value")
     strategies = args.strategies or ["topk", "loop"]

@@ -65,6 +65,7 @@ class CompareConfig:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
     force: bool = False
     jobs: int = 1  # runs trained at once (training/jobs.py); not a setting of the comparison
+    experts_multiple_of: int = 1  # the ConceptMoEs' concept experts a multiple of this (model/match.py)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -72,6 +73,8 @@ class CompareConfig:
             raise UserError(f"--strategies must list some of {', '.join(STRATEGIES)} (got {self.strategies})")
         if not self.ratios or any(not r > 1 for r in self.ratios):
             raise UserError(f"--ratios must be values > 1 (got {self.ratios})")
+        if len(set(self.ratios)) != len(self.ratios):  # each would be trained twice
+            raise UserError(f"--ratios: each ratio once (got {', '.join(f'{r:g}' for r in self.ratios)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise UserError(f"--seeds must be distinct integers (got {self.seeds})")
         if self.tokens < 1:
@@ -92,18 +95,31 @@ class CompareConfig:
         d = dataclasses.asdict(self)
         d.pop("force")
         d.pop("jobs")
+        if d["experts_multiple_of"] == 1:  # a comparison's record stays as it was before the flag
+            del d["experts_multiple_of"]
         return d
 
 
 VARIANT_KEYS = ("strategy", "ratio", "set", "lr", "chunk_lr_mult", "seeds")
 
 
+def _no_duplicate_labels(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json keeps the last one silently)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise KeyError(twice[0])
+    return dict(pairs)
+
+
 def load_variants(path: str) -> dict[str, dict[str, Any]]:
     """Read a ``--variants`` file: a JSON object ``{label: {strategy, ratio, set, lr, chunk_lr_mult, seeds}}``."""
     try:
-        variants = json.loads(Path(path).read_text())
+        variants = json.loads(Path(path).read_text(), object_pairs_hook=_no_duplicate_labels)
     except OSError as e:
         raise UserError(f"--variants {path}: cannot read ({e.strerror})") from None
+    except KeyError as e:  # json.loads would keep the last of the two silently
+        raise UserError(f"--variants {path}: the label (or key) {e.args[0]!r} is given twice; give each once") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"--variants {path}: not valid JSON ({e})") from None
     if not isinstance(variants, dict) or not variants:
@@ -144,10 +160,11 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
                   batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr, device=cc.device, dtype=cc.dtype)
     # ConceptMoE-only knobs (ratio_loss_weight, the stage split, ablations) leave the baseline alone.
     moe_over = {k: v for k, v in cc.overrides.items() if k not in MOE_IGNORED}
+    matched = {"experts_multiple_of": cc.experts_multiple_of}  # the ConceptMoEs' constraint (not the MoE's)
     models = [("moe", TrainConfig(model="moe", **{**common, "overrides": moe_over}))]
     for r in cc.ratios:
         for s in cc.strategies:
-            models.append((f"{s}-R{r:g}", TrainConfig(strategy=s, ratio=r, **common)))
+            models.append((f"{s}-R{r:g}", TrainConfig(strategy=s, ratio=r, **common, **matched)))
     if cc.ablations:
         label, first = models[1]
         for suffix, over in ABLATIONS.items():
@@ -157,7 +174,7 @@ def plan(cc: CompareConfig) -> list[tuple[str, TrainConfig]]:
         if label in dict(models):
             raise UserError(f"variant {label!r}: the comparison already has a model with that label")
         tc = TrainConfig(strategy=spec.get("strategy", "topk"), ratio=float(spec.get("ratio", 2.0)),
-                         chunk_lr_mult=float(spec.get("chunk_lr_mult", 1.0)),
+                         chunk_lr_mult=float(spec.get("chunk_lr_mult", 1.0)), **matched,
                          **{**common, "lr": spec.get("lr", cc.lr),
                             "overrides": {**cc.overrides, **spec.get("set", {})}})
         models.append((label, tc))
