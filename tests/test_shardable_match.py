@@ -62,3 +62,18 @@ def test_convert_checks_the_sources_expert_count(tmp_path, capsys):
     assert len(err) == 1 and "--experts-multiple-of 4" in err[0] and "6 experts" in err[0], err
     assert not (tmp_path / "cm").exists()
     assert main(["convert", str(src), "--out", str(tmp_path / "cm"), "--experts-multiple-of", "3"]) == 0
+
+
+def test_a_resume_keeps_the_constraint_the_run_was_matched_under(tmp_path):
+    import json
+
+    from conceptmoe.training.config import resolve_train_config
+
+    for trained, launch, want in ((2, 1, 2), (1, 2, 1), (4, 2, 4)):
+        out = tmp_path / f"run{trained}{launch}"
+        out.mkdir()
+        tc = TrainConfig(preset="small", strategy="topk", experts_multiple_of=trained, out=str(out))
+        (out / "config.json").write_text(json.dumps({"format": "conceptmoe-run", "train": tc.to_dict(),
+                                                   "model": model_config(tc).to_dict()}))
+        again = resolve_train_config({"out": str(out), "expert_parallel": launch}, resume=True)
+        assert again.experts_multiple_of == want and model_config(again) == model_config(tc)
