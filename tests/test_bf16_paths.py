@@ -155,3 +155,28 @@ def test_short_attention_trains_in_fp32_under_bf16_autocast(monkeypatch, T, fp32
     with torch.no_grad():
         ref = att(x, cos, sin)  # fp32 throughout
     assert torch.allclose(out.float(), ref, atol=5e-2 * float(ref.abs().max()))
+
+
+def test_the_expert_dispatch_path_runs_the_experts_as_one_process_does():
+    # Expert parallelism installs ``expert_dispatch`` (parallel/expert_parallel.py); with a
+    # dispatch that keeps every expert here, the layer must compute what it computes without
+    # one: the rows travel in the compute dtype (bf16 under autocast: half the all-to-all bytes,
+    # the bf16 grouped matmul) and the routing weights scale the hidden activations.
+    torch.manual_seed(0)
+    m = MoE(32, n_experts=4, top_k=2, hidden=16)
+    x = torch.randn(64, 32)
+    sent = []
+
+    def here(mod, xs, counts, grouped, scale):  # an expert-parallel group of one
+        sent.append((xs.dtype, scale.dtype, grouped))
+        return mod.expert_ffn(xs, counts, grouped, scale=scale)
+
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            m.expert_dispatch = None
+            want = m(x, dispatch="split")[0]
+            m.expert_dispatch = here
+            got = m(x, dispatch="split")[0]
+        assert torch.equal(got, want), float((got - want).abs().max())
+    m.expert_dispatch = None
+    assert sent == [(torch.float32, torch.float32, False), (torch.bfloat16, torch.bfloat16, False)]
