@@ -46,7 +46,8 @@ def test_param_count_matches_model(preset, kind):
 
 @pytest.mark.parametrize("kw", [
     {"router_temperature": "learned"},
-    *({"elastic_ratios": [1.5, 2.0, 3.0, 4.0], "ratio_embedding": mode} for mode in ("shift", "router", "router+concept")),
+    *({"elastic_ratios": [1.5, 2.0, 3.0, 4.0], "ratio_embedding": mode}
+      for mode in ("shift", "router", "router+concept")),
     {"elastic_ratios": [2.0, 3.0], "router_temperature": "learned", "chunk_router": "cosine"},
 ])
 def test_param_count_matches_elastic_and_tempered_models(kw):

@@ -28,7 +28,8 @@ def run(tmp_path_factory):
 
 
 def _digest(folder):
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
 
 
 def _refused(capsys, argv, *words):

@@ -7,8 +7,9 @@ Boundary noise comes from uniforms drawn per global batch from a generator seede
 the batch's index among the batches drawn), sliced like the rows, so each sequence gets the same
 samples whatever the world size and however it is resumed; an elastic run's target R is keyed by
 the sample index (``elastic.py``). A skipped step (``--skip-bad-steps``) has drawn its batch: the
-next batch draws its own noise and R, and the count of skipped steps is kept in the checkpoint. The cross-entropy is weighted by each micro-batch's predicted tokens
-(padding, as in vlm-digits, counts nothing), and the ratio, balance and z-loss statistics are
+next batch draws its own noise and R, and the count of skipped steps is kept in the checkpoint.
+The cross-entropy is weighted by each micro-batch's predicted tokens (padding, as in
+vlm-digits, counts nothing), and the ratio, balance and z-loss statistics are
 global (``model/stats.py``): the logged loss of a W-process run, with or without ``grad_accum``,
 equals the 1-process run's (``tests/test_distributed_modes.py``).
 
