@@ -135,3 +135,17 @@ def test_refusals():
     assert e.value.status == 503
     with pytest.raises(ValueError, match="holds no sequence"):
         KVPool(KVLayout(1024, 1024), 100)
+
+
+def test_a_prompt_that_cuts_more_concepts_than_expected_never_hangs_the_engine():
+    """Every token a boundary (compression 1 at R = 2): admitted on the R = 2 estimate, too big
+    once prefilled, alone with the whole pool: it ends with an error; the engine keeps serving."""
+    m = _model("conceptmoe")
+    m.route = lambda h, terms, offset=0: torch.ones(h.shape[:2])  # p = 1: every prompt token a concept
+    lay = KVLayout.of(m, torch.float32)
+    eng = Engine(m, lay.bytes_for(62, 31), max_model_len=256).start()
+    out = _serve(eng, [dict(prompt=list(range(1, 61)), max_tokens=1, temperature=0)], timeout=30)[0]
+    assert out.finish_reason == "error"
+    ok = _serve(eng, [dict(prompt=[1, 2, 3], max_tokens=3, temperature=0)], timeout=30)[0]
+    assert ok.finish_reason == "length" and len(ok.streamed) == 3
+    eng.shutdown(1)

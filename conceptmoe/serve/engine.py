@@ -108,6 +108,7 @@ class Engine:
         self.state = None
         self.cv = threading.Condition()
         self.accepting, self.stopped = True, False
+        self.admit_blocked = False  # a prefilled request did not fit: wait for blocks to be freed
         self.steps = self.peak_running = self.refused = 0
         self.thread = threading.Thread(target=self._loop, name="conceptmoe-engine", daemon=True)
 
@@ -193,6 +194,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.finished = reason, time.perf_counter()
         self.pool.free(req.id)
+        self.admit_blocked = False
         req.emit(Event([], finish_reason=reason, error=error))
         if self.on_finish is not None:
             self.on_finish(req)
@@ -216,6 +218,8 @@ class Engine:
             self._keep([i for i in range(len(self.running)) if i not in dead])
 
     def _admit(self) -> None:
+        if self.admit_blocked:
+            return
         new: list[Request] = []
         with self.cv:
             free = self.pool.free_bytes
@@ -243,9 +247,17 @@ class Engine:
             r.fed = len(seqs[i])
             # +1 token entry: the sampled token is written by the next step
             (kept if self.pool.grow(r.id, len(seqs[i]) + 1, r.concepts) else back).append(i)
+        if back and not self.running and not kept:
+            # Alone, with the whole pool free, and still too big (its text cut more concepts than
+            # the admission estimate): it can never run.
+            for i in back:
+                self._finish(new[i], "error", f"the prompt needs more KV cache than the whole pool "
+                                              f"({self.pool.budget / 2**20:.2f} MiB, --kv-cache-mb)")
+            back = []
         with self.cv:
             for i in reversed(back):
                 self.waiting.appendleft(new[i])
+        self.admit_blocked = bool(back)  # no new prefill until a row leaves and frees blocks
         if not kept:
             return
         if back:
@@ -270,6 +282,7 @@ class Engine:
         i = victims[-1]
         r = self.running[i]
         self.pool.free(r.id)
+        self.admit_blocked = False
         r.preemptions += 1
         with self.cv:
             self.waiting.appendleft(r)
@@ -278,15 +291,12 @@ class Engine:
 
     def _make_room(self) -> None:
         """Before a step: every row's next token block, and room for a concept block per full row."""
-        i = 0
-        while i < len(self.running):
-            r = self.running[i]
-            if self.pool.grow(r.id, r.seen, r.concepts):
-                i += 1
-                continue
-            if not self._preempt_one(protect=i):  # alone and out of memory: it ends here
-                self._finish(r, "length")
-                self._keep([j for j in range(len(self.running)) if j != i])
+        for r in list(self.running):
+            while r in self.running and not self.pool.grow(r.id, r.seen, r.concepts):
+                i = self.running.index(r)
+                if not self._preempt_one(protect=i):  # alone and out of memory: it ends here
+                    self._finish(r, "length")
+                    self._keep([j for j in range(len(self.running)) if j != i])
         lay = self.layout
         while self.running and lay.concept_entry_bytes:
             full = sum(1 for r in self.running if r.concepts % lay.block == 0)
