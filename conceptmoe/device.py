@@ -51,6 +51,10 @@ def cpu_bf16_feature() -> str | None:
     forced = os.environ.get(BF16_ENV)
     if forced in ("0", "1"):
         return f"{BF16_ENV}={forced}" if forced == "1" else None
+    if forced is not None and forced.strip():  # a typo must not fall back to detection silently
+        from .errors import UserError
+
+        raise UserError(f"{BF16_ENV}={forced!r}: use 0 (no fast bf16 on this CPU) or 1 (assume one), or unset it")
     return next((f for f in BF16_CPU_FLAGS if f in _cpu_flags()), None)
 
 

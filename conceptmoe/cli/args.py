@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from pathlib import Path
 
 from ..training.config import MAX_SEED
 
@@ -17,6 +19,32 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def distinct(values: list, flag: str) -> list:
+    """``values`` when each appears once; else a one-line error naming ``flag`` (a ratio given twice
+    would be measured or trained twice)."""
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        from ..errors import UserError
+
+        raise UserError(f"{flag}: each value once ({', '.join(f'{v:g}' for v in twice)} given twice)")
+    return values
+
+
+def writable_file(path: str, flag: str) -> Path:
+    """Refuse, before any work, an output file whose folder is missing or not writable (or a folder)."""
+    from ..errors import UserError
+
+    p = Path(path)
+    folder = p.resolve().parent
+    if p.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here")
+    return p
 
 
 def seed(text: str) -> int:

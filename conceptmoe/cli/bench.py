@@ -48,6 +48,8 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not all(math.isfinite(v) for v in values):
         raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    if len(set(values)) != len(values):  # measured twice otherwise
+        raise argparse.ArgumentTypeError(f"each value once, got {text!r}")
     return values
 
 

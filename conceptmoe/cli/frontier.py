@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..errors import UserError
-from .args import finite_float
+from .args import distinct, finite_float, writable_file
 
 
 def add_ratio_flags(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def _parse(spec: str) -> list[float]:
         raise UserError(f"--ratios: expected numbers like 1.5,2,3,4 (got {spec!r})") from None
     if not out or not all(r > 1 and r < float("inf") for r in out):
         raise UserError(f"--ratios: every ratio must be a finite number > 1 (got {spec!r})")
-    return out
+    return distinct(out, "--ratios")
 
 
 def _add_latency(rows: list[dict], prefill_len: int, device: str) -> None:
@@ -78,6 +78,8 @@ def cmd_frontier(args: argparse.Namespace) -> int:
         raise UserError("--val-tokens must be a positive integer")
     if args.latency_len < 1:
         raise UserError("--latency-len must be a positive integer")
+    if args.plot:  # before the measurement, not after it
+        writable_file(args.plot, "--plot")
     rows = frontier(args.runs, ratios, args.device, args.val_tokens)
     if args.latency:
         _add_latency(rows, args.latency_len, args.device)

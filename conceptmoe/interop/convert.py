@@ -40,7 +40,7 @@ from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..files import building, check_out
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, is_run, load_run, model_config_of, read_run_config, write_json
-from ..training.config import MAX_RATIO
+from ..training.config import MAX_RATIO, flag_error
 from ..lock import held
 from .hf_run import _copy, _sha256, save_weights
 
@@ -117,7 +117,7 @@ def converted_config(src: ModelConfig, ratio: float = 2.0, split: tuple[int, int
     try:
         cfg = ModelConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
+        raise flag_error(e) from None  # names --ratio / --set NAME, not ModelConfig's field
     return _solve(cfg, src, strategy) if strategy else cfg
 
 
