@@ -1,0 +1,107 @@
+"""The paired gap of a ConceptMoE to the MoE with its 95% interval, over any number of seeds (issue 44).
+
+    python docs/study/round3/interval.py NAME [--label topk-R2] [--keep SUMMARY.json ...] COMPARE_DIR ...
+
+Reads each ``conceptmoe compare`` output's report.json (per-seed held-out BPB of the ``moe`` model
+and of ``--label``), and with ``--keep`` the per-seed rows of a round-2 ``summarize.py`` summary
+(runs whose directories are gone); a seed found twice must agree, else it is refused. Pairs by
+seed (a seed fixes the initialisation and the batch order of both models), and writes
+docs/study/round3/NAME.json: the per-seed gaps (ConceptMoE - MoE, > 0: the MoE is better), their
+mean, standard deviation and Student-t 95% interval, and the verdict the issue asks for: "level"
+when the interval lies within ±0.01, who wins when it excludes 0, else "unresolved".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# two-sided 95% quantiles of Student's t, df = 1..30
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+       2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+       2.045, 2.042]
+LEVEL = 0.01
+
+
+def t95(df: int) -> float:
+    return T95[df - 1] if df <= len(T95) else 1.96
+
+
+def per_seed_of_report(path: Path, label: str) -> dict[str, dict[int, float]]:
+    rep = json.loads((path / "report.json").read_text())
+    out: dict[str, dict[int, float]] = {}
+    for m in rep["models"]:
+        if m["label"] in ("moe", label):
+            out["moe" if m["label"] == "moe" else "cm"] = dict(zip(m["seeds"], m["val_bpb_seeds"]))
+    return out
+
+
+def per_seed_of_summary(path: Path, label: str) -> dict[str, dict[int, float]]:
+    rep = json.loads(path.read_text())
+    out: dict[str, dict[int, float]] = {}
+    for m in rep["models"]:
+        if m["label"] in ("moe", label):
+            out["moe" if m["label"] == "moe" else "cm"] = {int(s): r["val_bpb"] for s, r in m["per_seed"].items()}
+    return out
+
+
+def merge(sources: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:
+    merged: dict[str, dict[int, float]] = {"moe": {}, "cm": {}}
+    for src in sources:
+        for kind, seeds in src.items():
+            for s, v in seeds.items():
+                if s in merged[kind] and abs(merged[kind][s] - v) > 1e-9:
+                    raise SystemExit(f"error: seed {s} of the {kind} model differs between sources "
+                                     f"({merged[kind][s]:.6f} vs {v:.6f})")
+                merged[kind][s] = v
+    return merged
+
+
+def interval(gaps: list[float]) -> dict:
+    n = len(gaps)
+    mean = statistics.fmean(gaps)
+    sd = statistics.stdev(gaps) if n > 1 else None
+    half = t95(n - 1) * sd / math.sqrt(n) if sd is not None else None
+    lo, hi = (mean - half, mean + half) if half is not None else (None, None)
+    if half is None:
+        verdict = "unresolved (one seed)"
+    elif -LEVEL <= lo and hi <= LEVEL:
+        verdict = "level"
+    elif hi < 0:
+        verdict = "ConceptMoE ahead"
+    elif lo > 0:
+        verdict = "MoE ahead"
+    else:
+        verdict = "unresolved"
+    return {"n": n, "mean": mean, "sd": sd, "ci95": [lo, hi], "verdict": verdict}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("name")
+    p.add_argument("dirs", nargs="*", type=Path)
+    p.add_argument("--label", default="topk-R2")
+    p.add_argument("--keep", action="append", type=Path, default=[])
+    a = p.parse_args()
+    sources = [per_seed_of_summary(k, a.label) for k in a.keep]
+    sources += [per_seed_of_report(d, a.label) for d in a.dirs if (d / "report.json").is_file()]
+    m = merge(sources)
+    seeds = sorted(set(m["moe"]) & set(m["cm"]))
+    if not seeds:
+        raise SystemExit("error: no seed has both models")
+    gaps = [m["cm"][s] - m["moe"][s] for s in seeds]
+    res = {"label": a.label, "seeds": seeds, "moe": [m["moe"][s] for s in seeds], "cm": [m["cm"][s] for s in seeds],
+           "gaps": gaps, **interval(gaps)}
+    (HERE / f"{a.name}.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
+    lo, hi = res["ci95"]
+    ci = f"[{lo:+.4f}, {hi:+.4f}]" if lo is not None else "-"
+    print(f"{a.name}: {res['n']} seeds, gap {res['mean']:+.4f} (sd {res['sd'] or 0:.4f}), 95% CI {ci}: {res['verdict']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
