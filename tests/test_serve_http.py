@@ -226,3 +226,27 @@ def test_64_concurrent_streaming_clients(runs):
                      "generation_tokens_total", "kv_blocks_used{kind=\"concept\"}", "kv_blocks_free{kind=\"token\"}",
                      "compression_ratio", "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count"):
             assert f"conceptmoe_{name}" in metrics, name
+
+
+def test_imported_and_converted_runs_are_served(tmp_path):
+    """A transformers checkpoint brought in with import-hf, and its conversion to a ConceptMoE."""
+    from test_interop import make_checkpoint, tokenizer
+
+    from conceptmoe.cli import main
+    from conceptmoe.training.checkpoint import load_run
+
+    src = tmp_path / "qwen"
+    make_checkpoint(src, "qwen2_moe")
+    tokenizer(src / "tokenizer.json")
+    assert main(["import-hf", str(src), "--out", str(tmp_path / "imported")]) == 0
+    assert main(["convert", str(tmp_path / "imported"), "--out", str(tmp_path / "converted"), "--ratio", "2"]) == 0
+    prompt = [5, 17, 250, 3, 99, 42, 7]
+    for name in ("imported", "converted"):
+        model = load_run(tmp_path / name, "cpu")[0]
+        want = model.generate(torch.tensor([prompt]), 8, temperature=0)[0, len(prompt):].tolist()
+        with live_server(tmp_path / name, kv_cache_mb=1, max_model_len=64) as (url, engine, tok):
+            r = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()
+            assert r["usage"]["completion_tokens"] == 8
+            assert r["choices"][0]["text"] == tok.decode(want), name
+            assert ("boundaries" in r["conceptmoe"]) == (name == "converted")
