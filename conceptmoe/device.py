@@ -45,6 +45,35 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+# The CPU flags a benchmark records: the vector and matrix units its matmuls may use.
+SIMD_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve", "bf16", "i8mm")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what ``platform`` says)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "cpu model", "hardware")) and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine() -> dict:
+    """Which machine a benchmark ran on (its JSON records it: machines differ, e.g. AMX-BF16 vs
+    AVX2-only): CPU model, cores, its vector/matrix flags, and whether bf16 matmuls run in
+    hardware (``cpu_bf16``: the flag) or are emulated; the GPU when there is one."""
+    out = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+           "cpu_flags": sorted(f for f in _cpu_flags() if f.startswith(SIMD_PREFIXES)),
+           "cpu_bf16": cpu_bf16_feature() or "emulated", "torch": torch.__version__}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
 def cpu_bf16_feature() -> str | None:
     """The first of ``BF16_CPU_FLAGS`` this CPU has, or None: no fast bf16 matmul here.
     ``CONCEPTMOE_CPU_BF16=0`` hides it, ``=1`` assumes one."""

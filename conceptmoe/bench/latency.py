@@ -48,7 +48,8 @@ from ..model.elastic import require_ratio
 from .calibrate import calibrate_decode, calibrate_router
 from ..parallel.distributed import blocks
 from .decode_state import restore, snapshot, synthetic_state
-from .peak import measure_peak
+from ..device import machine, resolve_device
+from .peak import is_emulated, measure_peak, squares_for
 
 
 @dataclass
@@ -313,9 +314,11 @@ def run_latency(s: LatencySettings, load_run=None, log=print, text_ids: torch.Te
                  "activated_flops_per_token": count_flops(b.cfg)["activated_flops_per_token"],
                  "config": b.cfg.to_dict()} for b in models]
         short = {"float32": "fp32", "bfloat16": "bf16"}[s.dtype]
-        peak = s.peak_gflops or measure_peak((short,), s.preset, device=s.device, min_time=0.1)["peak_gflops"][short]
+        peak = s.peak_gflops or measure_peak((short,), s.preset, square=squares_for(s.preset), device=s.device,
+                                             min_time=0.1, budget=20.0)["peak_gflops"][short]
         result = {"settings": asdict(s), "threads": torch.get_num_threads(), "models": info,
-                  "dtype": short, "peak_gflops": peak,
+                  "dtype": short, "peak_gflops": peak, "machine": machine(),
+                  "emulated": is_emulated(short, torch.device(resolve_device(s.device))),
                   "prefill": bench_prefill(models, s, log, text_ids) if s.prefill_lens else [],
                   "decode": bench_decode(models, s, log, text_ids) if s.kv_lens else []}
         add_mfu(result, models, peak)

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ..data.corpus import play_files
+from ..device import machine
 from ..data.tokenizer import train_tokenizer
 from ..files import write_text
 
@@ -100,7 +101,7 @@ def run_prepare_bench(sizes_mb: list[float], work: Path, vocab_size: int = 4096,
                      "peak_rss_mb": res["peak_rss_kb"] / 1024,
                      "rss_over_imports_mb": (res["peak_rss_kb"] - res["import_rss_kb"]) / 1024})
     return {"rows": rows, "vocab_size": vocab_size, "threads": threads or os.cpu_count(),
-            "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}
+            "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "machine": machine()}
 
 
 def format_table(result: dict) -> str:

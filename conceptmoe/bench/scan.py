@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import machine
 from ..model.scan import ema_scan, ema_scan_reference
 from ..files import write_text
 
@@ -51,7 +52,7 @@ def run_scan_bench(concepts: int = 4096, dim: int = 512, batch: int = 1, repeats
         return run
 
     res = {"concepts": concepts, "dim": dim, "batch": batch, "repeats": repeats,
-           "device": device, "threads": torch.get_num_threads(), "max_abs_diff": err}
+           "device": device, "threads": torch.get_num_threads(), "max_abs_diff": err, "machine": machine()}
     for name, wrap in (("forward", fwd), ("forward_backward", fwd_bwd)):
         fns = {"scan": wrap(ema_scan), "loop": wrap(ema_scan_reference)}
         for f in fns.values():

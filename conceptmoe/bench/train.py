@@ -32,7 +32,8 @@ from ..model.flops import count_flops
 from ..model.lm import build_model
 from ..model.match import match_config
 from ..parallel.distributed import blocks
-from .peak import measure_peak
+from ..device import machine
+from .peak import measure_peak, squares_for
 
 DTYPES = ("fp32", "bf16")
 
@@ -89,7 +90,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
         raise ValueError(f"dtypes must be among {', '.join(DTYPES)} (got {', '.join(dtypes) or 'none'})")
     base = ModelConfig.from_preset(preset, kind="moe")
     cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
-    peak = peak or measure_peak(tuple(dtypes), preset, tokens, min_time=0.1)["peak_gflops"]
+    peak = peak or measure_peak(tuple(dtypes), preset, tokens, squares_for(preset, tokens), min_time=0.1,
+                                budget=30.0)["peak_gflops"]
     torch.manual_seed(seed)
     models = {name: build_model(cfg).train() for name, cfg in cfgs}
     for m in models.values():
@@ -133,6 +135,7 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
                 key = f"{name}@{T}" + (f" {dt}" if len(dtypes) > 1 else "")
                 profiles[key] = profile_step(models[name], x, inputs[name], profile, dt)
     return {"profile": profiles, "preset": preset, "threads": torch.get_num_threads(), "repeats": repeats,
+            "machine": machine(),
             "exact_compression": exact, "dtypes": list(dtypes), "compile": compile,
             "peak_gflops": {dt: peak[dt] for dt in dtypes}, "rows": rows,
             "models": {n: cfg.name for n, cfg in cfgs}}

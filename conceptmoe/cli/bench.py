@@ -163,6 +163,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="small", help="model shapes from this preset (default small)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the model shapes (default 2048)")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per shape, about (default 0.3)")
+    p.add_argument("--budget", type=float, default=60.0,
+                   help="seconds for the whole measurement, about (default 60): a shape that would not fit "
+                        "its share (bf16 emulated on a CPU without AMX-BF16 / AVX512-BF16) is timed on fewer rows")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--out", help="also write peak.json into this directory")
     p.set_defaults(func=cmd_bench_peak)
@@ -291,10 +294,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 def cmd_bench_peak(args: argparse.Namespace) -> int:
     if args.threads < 0 or args.tokens < 1 or not args.min_time > 0:
         raise UserError("--threads must be >= 0, --tokens >= 1 and --min-time > 0")
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise UserError(f"--budget must be a number of seconds > 0 (got {args.budget})")
     if args.threads:
         torch.set_num_threads(args.threads)
     res = measure_peak(preset=args.preset, tokens=args.tokens, device=str(resolve_device(args.device)),
-                       min_time=args.min_time)
+                       min_time=args.min_time, budget=args.budget, progress=True)
     print(json.dumps(res, indent=2) if args.json else format_peak_table(res))
     if args.out:
         out = Path(args.out)
