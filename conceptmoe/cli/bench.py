@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="elastic --run: the compression R to run it at (a comma list: one timed model per R; "
                           "default: its design ratio)")
     lat.add_argument("--extrapolate", action="store_true",
-                     help="allow a --ratio outside the range an elastic --run was trained on")
+                     help="allow a --ratio outside the range an elastic --run was trained on (at most 2x beyond it)")
     lat.add_argument("--repeats", type=int, default=3, help="timed repeats per model and length (default 3)")
     lat.add_argument("--decode-steps", type=int, default=16, help="decode steps per repeat (default 16)")
     lat.add_argument("--threads", type=int, default=0,

@@ -20,7 +20,7 @@ def add_ratio_flags(p: argparse.ArgumentParser) -> None:
                    help="compression R to run an elastic ConceptMoE at (trained with --ratios; default: its "
                         "design ratio); a fixed-R run takes only its own R")
     p.add_argument("--extrapolate", action="store_true",
-                   help="allow a --ratio outside the range the elastic run was trained on")
+                   help="allow a --ratio outside the range the elastic run was trained on (at most 2x beyond it)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
