@@ -34,29 +34,6 @@ QK_NORMS = ("none", "head", "full")
 RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
 ROUTER_TEMPERATURES = ("none", "learned")  # model/chunking.py
 ATTN_BIASES = ("none", "qkv", "qkvo")
-MAX_TRAINED_RATIO = 64  # tokens per concept; the paper uses 1.5-4
-# Trained ratios at least 1% apart: the ratio embedding interpolates in log R between neighbours,
-# and two nearly equal ones divide by ~0 (2 and 2.0000000001 gave NaN at step 1; issue 41).
-MIN_RATIO_GAP = 1.01
-
-
-def ratio_set_problem(rs: Any) -> str | None:
-    """Why a list of trained ratios (elastic_ratios, --ratios) cannot be trained (None: it can).
-    The one check of every path: ``--ratios``, ``--set elastic_ratios``, stored and converted configs."""
-    import math
-
-    if not (isinstance(rs, list) and len(rs) >= 2 and all(isinstance(r, (int, float)) and not isinstance(r, bool)
-                                                          for r in rs)):
-        return "give at least two ratios"
-    if not all(math.isfinite(r) and 1 < r <= MAX_TRAINED_RATIO for r in rs):
-        return f"every ratio must be > 1 and <= {MAX_TRAINED_RATIO}"
-    if any(b <= a for a, b in zip(rs, rs[1:])):
-        return "the ratios must increase, each given once (e.g. 1.5,2,3)"
-    close = [(a, b) for a, b in zip(rs, rs[1:]) if b < a * MIN_RATIO_GAP]
-    if close:
-        return (f"{close[0][0]!r} and {close[0][1]!r} are too close: neighbouring ratios must differ by at least "
-                f"{MIN_RATIO_GAP - 1:.0%}")
-    return None
 
 
 @dataclass
@@ -209,6 +186,7 @@ class ModelConfig:
         rs = self.elastic_ratios
         if rs is None:
             return
+        from .elastic import ratio_set_problem  # the one rule of every path; lazy: config imports no torch
         why = ratio_set_problem(rs)
         if why:
             bad("elastic_ratios", why)

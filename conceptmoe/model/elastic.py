@@ -47,6 +47,29 @@ class RatioTerms:
     concept: torch.Tensor | None  # (B, D) added to the concepts, or None
 
 
+MAX_TRAINED_RATIO = 64  # tokens per concept; the paper uses 1.5-4
+# Trained ratios at least 1% apart: the ratio embedding interpolates in log R between neighbours,
+# and two nearly equal ones divide by ~0 (2 and 2.0000000001 gave NaN at step 1; issue 41).
+MIN_RATIO_GAP = 1.01
+
+
+def ratio_set_problem(rs) -> str | None:
+    """Why a list of trained ratios (elastic_ratios, --ratios) cannot be trained (None: it can).
+    The one check of every path: ``--ratios``, ``--set elastic_ratios``, stored and converted configs."""
+    if not (isinstance(rs, list) and len(rs) >= 2 and all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                                                          for r in rs)):
+        return "give at least two ratios"
+    if not all(math.isfinite(r) and 1 < r <= MAX_TRAINED_RATIO for r in rs):
+        return f"every ratio must be > 1 and <= {MAX_TRAINED_RATIO}"
+    if any(b <= a for a, b in zip(rs, rs[1:])):
+        return "the ratios must increase, each given once (e.g. 1.5,2,3)"
+    close = [(a, b) for a, b in zip(rs, rs[1:]) if b < a * MIN_RATIO_GAP]
+    if close:
+        return (f"{close[0][0]!r} and {close[0][1]!r} are too close: neighbouring ratios must differ by at least "
+                f"{MIN_RATIO_GAP - 1:.0%}")
+    return None
+
+
 def interp_weights(ratio: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
     """Piecewise-linear weights in log R over sorted knots (K,): ratio (B,) -> (B, K), rows sum to 1.
 

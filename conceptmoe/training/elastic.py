@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..model.config import ratio_set_problem
+from ..model.elastic import ratio_set_problem
 
 _MASK = (1 << 64) - 1
 
