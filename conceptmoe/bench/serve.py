@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -181,6 +182,12 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
+def run_label(run: str) -> str:
+    """The run's folder name; with its parent for compare's ``LABEL/seedN`` folders."""
+    p = Path(os.path.normpath(run)).resolve()
+    return f"{p.parent.name}/{p.name}" if p.name.startswith("seed") else p.name
+
+
 def run_serve_bench(s: ServeBenchSettings) -> dict:
     from ..evaluation.evaluate import held_out_tokens
     from ..training.checkpoint import load_run_meta
@@ -197,7 +204,7 @@ def run_serve_bench(s: ServeBenchSettings) -> dict:
         cfg = load_run_meta(run)[0]
         ratios = s.concept_ratios if (cfg.is_concept and cfg.elastic_ratios and s.concept_ratios) else [None]
         for R in ratios:  # a fresh server each: its peak of concurrent rows is this measurement's
-            label = os.path.basename(os.path.normpath(run)) + (f" R={R:g}" if R else "")
+            label = run_label(run) + (f" R={R:g}" if R else "")
             print(f"bench serve: {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
             proc, url = start_server(run, s, max_len)
             try:
