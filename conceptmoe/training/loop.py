@@ -183,12 +183,15 @@ def _grad_norm(model: nn.Module, clip: float) -> float:
     return float(norm)
 
 
-def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
+def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int | None = None) -> None:
     """Train from ``step`` to the configured total, logging and checkpointing (rank 0 writes).
-    ``skipped``: the steps skipped before ``step`` (a resumed run's checkpoint holds them)."""
+    ``skipped``: the steps skipped before ``step`` (a resumed run's checkpoint holds them);
+    ``schedule``: the total the lr, sharpness and confidence schedules are laid out over (a
+    resumed run's recorded one; beyond it, as at its end), default the configured total."""
     tc, d = lp.tc, lp.dist
     total = tc.total_steps
-    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, total // 20)
+    plan = schedule or total
+    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, plan // 20)
     eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
     eval_model = lp.model if distributed.is_sharded(lp.model) else lp.raw
     lp.model.train()
@@ -204,7 +207,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
     try:
         while step < total:
             t0 = time.perf_counter()
-            factor = lr_factor(step, total, warmup, tc.min_lr_ratio)
+            factor = lr_factor(step, plan, warmup, tc.min_lr_ratio)
             for g in lp.opt.param_groups:
                 g["lr"] = tc.lr * g["lr_mult"] * factor
             batch = as_batch(lp.sampler.next())  # the global batch (the model shifts the labels)
@@ -212,9 +215,9 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
             drawn = step + skipped  # global batches drawn before this one: keys its samples' draws
             u = boundary_uniforms(tc.seed, drawn, tuple(x.shape)) if lp.raw.cfg.is_concept else None
             if cfg.is_concept and cfg.boundary_sharpness_final is not None:  # annealed boundary samples
-                lp.raw.sharpness_now = sharpness_at(cfg, step, total)
+                lp.raw.sharpness_now = sharpness_at(cfg, step, plan)
             if cfg.is_concept and cfg.router_confidence_start > 0:  # confidence term switched on late
-                lp.raw.confidence_now = confidence_weight_at(cfg, step, total)
+                lp.raw.confidence_now = confidence_weight_at(cfg, step, plan)
             if elastic:  # each sequence's target R, sliced with the rows (training/elastic.py)
                 batch = {**batch, "ratio": sample_ratios(tc.seed, drawn * x.shape[0], x.shape[0], elastic)}
             lp.opt.zero_grad(set_to_none=True)
@@ -260,7 +263,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0) -> None:
             stopping = d.any(stop.signum is not None)
             if step % tc.save_every == 0 or step == total or stopping:
                 parallel_checkpoint.save(out, lp.model, lp.opt, {"step": step, "data_position": lp.sampler.position,
-                                                                 "skipped": skipped, "total_steps": total}, d, lp.plain)
+                                                                 "skipped": skipped, "total_steps": plan}, d, lp.plain)
                 saved = step
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", bpb=f"{row['bpb']:.3f}",

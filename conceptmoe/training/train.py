@@ -126,25 +126,31 @@ def check_out_dir(tc: TrainConfig, mc: ModelConfig, out: Path) -> dict | None:
 def check_schedule(tc: TrainConfig, old: dict, state: dict, out: Path) -> None:
     """A resumed run keeps its schedule (issue 41): the total it was laid out over (recorded in the
     checkpoint; config.json's before the record) and its optimizer settings (``RUN_SCHEDULE``).
-    Another value would rescale the lr cosine, the sharpness anneal and the confidence term's start
-    mid-run, or rewrite the record of the steps already trained: refused, one line each."""
+    Another total mid-run would rescale the lr cosine, the sharpness anneal and the confidence
+    term's start, other settings would rewrite the record of the steps already trained: refused,
+    one line each. A finished run may be extended (a larger total): its schedule is kept, at its end."""
     for k in RUN_SCHEDULE:
         if k in old and old[k] != getattr(tc, k):
             flag = f"--{k.replace('_', '-')}"
             raise UserError(f"--resume: {out} was trained with {flag} {old[k]}; a resumed run keeps it "
                             f"({flag} {getattr(tc, k)} would rewrite the record of the steps already trained): "
                             f"leave out {flag}, or start a new run from this one with --init {out}")
-    step, total = int(state["step"]), int(state.get("total_steps") or schedule_steps(old))
+    step, total, end = int(state["step"]), schedule_total(state, old), schedule_steps(old)
     want = tc.total_steps
-    if want == total:
+    if want == end or (want > step >= end):  # as recorded, or extending a finished run
         return
     given = f"--max-steps {tc.max_steps}" if tc.max_steps is not None else f"--tokens {tc.tokens}"
     if want <= step:
         raise UserError(f"--resume: {given} asks for {want} steps but {out} is already at step {step} "
-                        f"(of {total}): nothing would be trained; leave out --max-steps/--tokens")
+                        f"(of {end}): nothing would be trained; leave out --max-steps/--tokens")
     raise UserError(f"--resume: {out} is a {total}-step run (at step {step}); {given} ({want} steps) would "
                     f"rescale its lr cosine, boundary-sharpness anneal and confidence-term start mid-run: leave "
                     f"out --max-steps/--tokens, or train on from the finished run with --init {out}")
+
+
+def schedule_total(state: dict, train: dict) -> int:
+    """The total a checkpointed run's schedule is laid out over (config.json's before the record)."""
+    return int(state.get("total_steps") or schedule_steps(train))
 
 
 def train(tc: TrainConfig) -> Path:
@@ -232,11 +238,15 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
                 blk.compile(dynamic=True)
         model = distributed.parallelize(model, d, mode, dtype, tc.expert_parallel)
         opt = make_optimizer(model, tc)
-        step, skipped = 0, 0
+        step, skipped, schedule = 0, 0, None
         if ckpt is not None:
             state = parallel_checkpoint.load(ckpt, model, opt, d)
             step, skipped = int(state["step"]), int(state.get("skipped", 0))  # older checkpoints: none recorded
+            schedule = schedule_total(state, stored.get("train", {}))
             data.sampler.set_position(state["data_position"])
+            if tc.total_steps > step >= schedule and tc.progress and d.main:
+                print(f"extending the finished run from step {step} to {tc.total_steps}: its {schedule}-step "
+                      f"schedule is kept at its end (lr at its floor, final sharpness)", file=sys.stderr)
         if d.main:
             if ckpt is not None:
                 ck.link_latest_weights(out, ckpt)
@@ -245,7 +255,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         d.barrier()
         lp = Loop(tc, model, opt, data.sampler, out, data.validate, data.byte_len, d, lambda: build_model(mc), dtype)
         with StopOnSignal() as stop:
-            loop.run(lp, step, stop, skipped)
+            loop.run(lp, step, stop, skipped, schedule)
         # FSDP: the final evaluation (and the generation of vlm-digits) runs on full weights, as `eval` would
         final = data.final(parallel_checkpoint.full_model(model, lp.plain, d) if distributed.is_sharded(model)
                            else lp.raw)
