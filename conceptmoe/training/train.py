@@ -145,7 +145,7 @@ def check_schedule(tc: TrainConfig, old: dict, state: dict, out: Path) -> None:
                         f"(of {end}): nothing would be trained; leave out --max-steps/--tokens")
     raise UserError(f"--resume: {out} is a {total}-step run (at step {step}); {given} ({want} steps) would "
                     f"rescale its lr cosine, boundary-sharpness anneal and confidence-term start mid-run: leave "
-                    f"out --max-steps/--tokens, or train on from the finished run with --init {out}")
+                    f"out --max-steps/--tokens (once finished it may be extended), or start anew with --init {out}")
 
 
 def schedule_total(state: dict, train: dict) -> int:
