@@ -23,7 +23,9 @@ ALLOWED = {
     "bench": {"model", "inference", "interop", "data", "training", "parallel"},  # data: prepare benchmark
     "interop": {"model", "inference", "data", "training"},
     "harness": {"model", "inference", "data", "training"},  # lm-evaluation-harness: tasks and our LM
-    "cli": {"model", "inference", "data", "training", "evaluation", "bench", "interop", "harness", "parallel"},
+    "serve": {"model", "inference", "training"},  # conceptmoe serve: the engine drives inference/
+    "cli": {"model", "inference", "data", "training", "evaluation", "bench", "interop", "harness", "parallel",
+            "serve"},
 }
 
 

@@ -188,16 +188,15 @@ def run_label(run: str) -> str:
     return f"{p.parent.name}/{p.name}" if p.name.startswith("seed") else p.name
 
 
-def run_serve_bench(s: ServeBenchSettings) -> dict:
-    from ..evaluation.evaluate import held_out_tokens
+def run_serve_bench(s: ServeBenchSettings, held_out: list[int]) -> dict:
+    """``held_out``: the first run's held-out token ids, which the prompts are cut from."""
     from ..training.checkpoint import load_run_meta
 
     s.check()
     metas = [load_run_meta(r) for r in s.runs]
     if any(m[1].to_str() != metas[0][1].to_str() for m in metas):
         raise UserError("the runs have different tokenizers: the same requests cannot be sent to all of them")
-    cfg0, tok0, run_cfg0 = metas[0]
-    reqs = make_requests([int(i) for i in held_out_tokens(run_cfg0, cfg0, tok0)[0]], s)
+    reqs = make_requests(held_out, s)
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs) + 2
     rows = []
     for run in s.runs:

@@ -22,6 +22,7 @@ from ..bench.train import format_profile
 from ..bench.train import format_table as format_train_table
 from ..bench.train import run_train_bench
 from .bench_serve import register_bench as register_serve_bench
+from .held_out import run_held_out_ids
 from ..device import default_dtype, resolve_device
 from ..errors import UserError
 from ..files import write_json, write_text
@@ -180,20 +181,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--work", help="keep corpora and shards here (default: a temporary folder)")
     p.add_argument("--out", help="also write prepare.json into this directory")
     p.set_defaults(func=cmd_bench_prepare)
-
-
-def run_held_out_ids(run_dir: str) -> torch.Tensor:
-    """The token ids of a run's held-out split (as ``conceptmoe eval`` rebuilds and checks it);
-    the weights are not read here (the benchmark loads the run itself)."""
-    from ..evaluation.evaluate import held_out_tokens
-    from ..training.checkpoint import load_run_meta
-
-    cfg, tok, run_cfg = load_run_meta(run_dir)
-    ids, _ = held_out_tokens(run_cfg, cfg, tok)
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-    if ids.numel() < 2:
-        raise UserError(f"{run_dir}: its held-out split is empty")
-    return ids
 
 
 def cmd_bench_latency(args) -> int:

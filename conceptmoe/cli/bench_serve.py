@@ -66,7 +66,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                            concurrency=args.concurrency, kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
                            dtype=args.dtype, device=args.device, threads=args.threads,
                            concept_ratios=args.concept_ratios, seed=args.seed, temperature=args.temperature)
-    report = run_serve_bench(s)
+    from .held_out import run_held_out_ids
+
+    s.check()
+    report = run_serve_bench(s, run_held_out_ids(s.runs[0]).tolist())
     table = format_table(report)
     print(table)
     report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate  # strict JSON: no Infinity

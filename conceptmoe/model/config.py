@@ -59,8 +59,7 @@ class ModelConfig:
     router_z_loss_weight: float = 0.001
     # --- attention ---
     qk_norm: str = "none"  # "none", "head" (Qwen3-MoE) or "full" (OLMoE)
-    # Biases of the attention projections: "qkv" (Qwen2-MoE's qkv_bias) or "qkvo" (the
-    # attention_bias flag of OLMoE / Qwen3-MoE); the joint-decoding W' never have one.
+    # Attention biases: "qkv" (Qwen2-MoE's qkv_bias) or "qkvo" (OLMoE / Qwen3-MoE attention_bias); never on W'.
     attn_bias: str = "none"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
