@@ -2,9 +2,13 @@
 
     python docs/study/round3/interval.py NAME [--label topk-R2] [--keep SUMMARY.json ...] COMPARE_DIR ...
 
+A compare still running counts with its finished runs (their eval.json). The record keeps every
+seed's BPB, paired or not (``per_seed``), so ``--keep NAME.json`` carries them to a later machine.
+
 Reads each ``conceptmoe compare`` output's report.json (per-seed held-out BPB of the ``moe`` model
 and of ``--label``), and with ``--keep`` the per-seed rows of a round-2 ``summarize.py`` summary
-(runs whose directories are gone); a seed found twice must agree, else it is refused. Pairs by
+(runs whose directories are gone); a seed found twice is taken from the later source, the
+difference printed. Pairs by
 seed (a seed fixes the initialisation and the batch order of both models), and writes
 docs/study/round3/NAME.json: the per-seed gaps (ConceptMoE - MoE, > 0: the MoE is better), their
 mean, standard deviation and Student-t 95% interval, and the verdict the issue asks for: "level"
@@ -32,6 +36,13 @@ def t95(df: int) -> float:
 
 
 def per_seed_of_report(path: Path, label: str) -> dict[str, dict[int, float]]:
+    """A compare output's report.json; for a compare still running, its finished runs' eval.json."""
+    if not (path / "report.json").is_file():
+        out = {}
+        for kind, lab in (("moe", "moe"), ("cm", label)):
+            out[kind] = {int(e.parent.name.removeprefix("seed")): json.loads(e.read_text())["val_bpb"]
+                         for e in sorted((path / lab).glob("seed*/eval.json"))}
+        return out
     rep = json.loads((path / "report.json").read_text())
     out: dict[str, dict[int, float]] = {}
     for m in rep["models"]:
@@ -41,7 +52,10 @@ def per_seed_of_report(path: Path, label: str) -> dict[str, dict[int, float]]:
 
 
 def per_seed_of_summary(path: Path, label: str) -> dict[str, dict[int, float]]:
+    """A round-2 summarize.py summary, or a record this script wrote (its ``per_seed``)."""
     rep = json.loads(path.read_text())
+    if "per_seed" in rep:
+        return {k: {int(s): v for s, v in d.items()} for k, d in rep["per_seed"].items()}
     out: dict[str, dict[int, float]] = {}
     for m in rep["models"]:
         if m["label"] in ("moe", label):
@@ -54,9 +68,9 @@ def merge(sources: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, flo
     for src in sources:
         for kind, seeds in src.items():
             for s, v in seeds.items():
-                if s in merged[kind] and abs(merged[kind][s] - v) > 1e-9:
-                    raise SystemExit(f"error: seed {s} of the {kind} model differs between sources "
-                                     f"({merged[kind][s]:.6f} vs {v:.6f})")
+                if s in merged[kind] and abs(merged[kind][s] - v) > 1e-9:  # a rerun, e.g. on another machine
+                    print(f"note: seed {s} of the {kind} model: {merged[kind][s]:.6f} kept, {v:.6f} here "
+                          f"({v - merged[kind][s]:+.6f}); the later source counts")
                 merged[kind][s] = v
     return merged
 
@@ -86,16 +100,17 @@ def main() -> int:
     p.add_argument("dirs", nargs="*", type=Path)
     p.add_argument("--label", default="topk-R2")
     p.add_argument("--keep", action="append", type=Path, default=[])
-    a = p.parse_args()
+    a = p.parse_intermixed_args()
     sources = [per_seed_of_summary(k, a.label) for k in a.keep]
-    sources += [per_seed_of_report(d, a.label) for d in a.dirs if (d / "report.json").is_file()]
+    sources += [per_seed_of_report(d, a.label) for d in a.dirs if d.is_dir()]
     m = merge(sources)
     seeds = sorted(set(m["moe"]) & set(m["cm"]))
     if not seeds:
         raise SystemExit("error: no seed has both models")
     gaps = [m["cm"][s] - m["moe"][s] for s in seeds]
     res = {"label": a.label, "seeds": seeds, "moe": [m["moe"][s] for s in seeds], "cm": [m["cm"][s] for s in seeds],
-           "gaps": gaps, **interval(gaps)}
+           "gaps": gaps, **interval(gaps),
+           "per_seed": {k: {str(s): v for s, v in sorted(d.items())} for k, d in m.items()}}  # unpaired too
     (HERE / f"{a.name}.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
     lo, hi = res["ci95"]
     ci = f"[{lo:+.4f}, {hi:+.4f}]" if lo is not None else "-"
