@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from ..device import machine
 from ..errors import UserError
 
 
@@ -169,19 +169,6 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
             "compression": fed / concepts if concepts else 1.0, **extra}
 
 
-def machine() -> dict:
-    model = ""
-    try:
-        model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    from ..device import _cpu_flags
-
-    flags = sorted(f for f in _cpu_flags() if f.startswith(("avx", "amx", "fma", "sse4")))
-    return {"cpu": model or platform.processor(), "cpu_flags": flags, "cores": os.cpu_count(),
-            "python": platform.python_version()}
-
-
 def run_label(run: str) -> str:
     """The run's folder name; with its parent for compare's ``LABEL/seedN`` folders."""
     p = Path(os.path.normpath(run)).resolve()
@@ -231,6 +218,6 @@ def format_table(report: dict) -> str:
                      f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} "
                      f"| {kvb} | {r['compression']:.2f} |")
     m = report["machine"]
-    lines.append(f"\n{m['cpu']} ({m['cores']} cores; {', '.join(m['cpu_flags'])}); KV budget "
+    lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); KV budget "
                  f"{report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}")
     return "\n".join(lines)

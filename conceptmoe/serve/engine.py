@@ -124,7 +124,7 @@ class Engine:
             self.refused += 1
             raise Refused(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) = {total} exceeds "
                           f"the server's max_model_len of {self.max_model_len}", 400)
-        need = self.layout.bytes_for(total + 1, expected_concepts(total + 1, self._ratio(req)))
+        need = self._estimate(req, total + 1)
         if need > self.pool.budget:
             self.refused += 1
             raise Refused(f"this request needs about {need / 2**20:.2f} MiB of KV cache, more than the server's "
@@ -171,6 +171,16 @@ class Engine:
     # --- the scheduler thread ----------------------------------------------------------------------
     def _ratio(self, req: Request) -> float | None:
         return None if not self.concept else (req.ratio or self.design_ratio)
+
+    def _estimate(self, req: Request, tokens: int) -> int:
+        """Pool bytes of ``req`` at ``tokens`` tokens, its concepts expected at its ratio."""
+        return self.layout.bytes_for(tokens, expected_concepts(tokens, self._ratio(req)))
+
+    @staticmethod
+    def _boundary(req: Request) -> None:
+        """The last generated token (just fed) starts a concept."""
+        req.boundary_list.append(len(req.generated) - 1)
+        req.decided.append(len(req.generated) - 1)
 
     def _loop(self) -> None:
         while True:
@@ -225,7 +235,7 @@ class Engine:
             free = self.pool.free_bytes
             while self.waiting and len(self.running) + len(new) < self.max_batch:
                 r = self.waiting[0]
-                need = self.layout.bytes_for(r.seen + 1, expected_concepts(r.seen + 1, self._ratio(r)))
+                need = self._estimate(r, r.seen + 1)
                 if need > free:
                     break  # first come, first served: no overtaking
                 free -= need
@@ -267,8 +277,7 @@ class Engine:
             if not r.generated:
                 r.prompt_concepts = len(b)
             elif self.concept and (r.seen - 1) in b:  # a recomputed row: its last token's pending decision
-                r.boundary_list.append(len(r.generated) - 1)
-                r.decided.append(len(r.generated) - 1)
+                self._boundary(r)
         self.running += admitted
         self.state = state if self.state is None else cat_states([self.state, state])
         self.peak_running = max(self.peak_running, len(self.running))
@@ -318,8 +327,7 @@ class Engine:
             for r, b in zip(self.running, out.boundary.tolist()):
                 if b:
                     r.concepts += 1
-                    r.boundary_list.append(len(r.generated) - 1)
-                    r.decided.append(len(r.generated) - 1)
+                    self._boundary(r)
                     if not self.pool.grow(r.id, r.seen, r.concepts):
                         raise RuntimeError("KV pool overdrawn after a boundary (headroom check failed)")
         self._sample_and_emit(out.logits, self.running, offset=0)

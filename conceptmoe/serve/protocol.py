@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..model.config import ModelConfig
+from ..model.elastic import check_ratio
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -28,14 +31,28 @@ def error_body(e: ApiError) -> dict:
 
 @dataclass
 class Limits:
-    """What the served run accepts."""
+    """What the served run accepts: its name, its ``ModelConfig`` and the server's length limit."""
 
     model: str
-    vocab_size: int
+    cfg: ModelConfig
     max_model_len: int
-    concept: bool
-    ratio: float | None  # the fixed or design R (None: a MoE)
-    elastic_ratios: list[float] | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def concept(self) -> bool:
+        return self.cfg.is_concept
+
+    @property
+    def ratio(self) -> float | None:
+        """The fixed or design R (None: a MoE)."""
+        return self.cfg.compression_ratio if self.concept else None
+
+    @property
+    def elastic_ratios(self) -> list[float] | None:
+        return self.cfg.elastic_ratios if self.concept else None
 
 
 @dataclass
@@ -112,20 +129,15 @@ def _stop(body: dict) -> list[str]:
 
 
 def _ratio(body: dict, lim: Limits) -> float | None:
+    """The request's R for an elastic run (None: the design ratio); the check every entry point
+    shares (``model/elastic.py``), without its hint at extrapolation, which the API does not offer."""
     r = _number(body, "concept_ratio", None)
     if r is None:
         return None
-    if not lim.concept:
-        raise ApiError(400, "'concept_ratio' applies to ConceptMoE runs only (this run is a plain MoE)", "concept_ratio")
-    if not lim.elastic_ratios:
-        if abs(r - lim.ratio) > 1e-9:
-            raise ApiError(400, f"'concept_ratio': this run was trained for R={lim.ratio:g} only (not elastic)",
-                           "concept_ratio")
-        return None
-    lo, hi = min(lim.elastic_ratios), max(lim.elastic_ratios)
-    if not lo - 1e-9 <= r <= hi + 1e-9:
-        raise ApiError(400, f"'concept_ratio' {r:g} is outside the trained range [{lo:g}, {hi:g}]", "concept_ratio")
-    return float(r)
+    why = check_ratio(lim.cfg, [float(r)], flag="'concept_ratio'")
+    if why:
+        raise ApiError(400, why.split("; pass ")[0], "concept_ratio")
+    return float(r) if lim.elastic_ratios else None
 
 
 def parse_completion(body, lim: Limits) -> CompletionParams:

@@ -78,9 +78,7 @@ def build(cfg: ServeConfig):
     metrics = Metrics()
     engine = Engine(model, int(cfg.kv_cache_mb * 2**20), cfg.max_batch, cfg.max_waiting, max_len, eos,
                     on_finish=metrics.finished)
-    limits = Limits(model=run.resolve().name, vocab_size=mcfg.vocab_size, max_model_len=max_len,
-                    concept=mcfg.is_concept, ratio=mcfg.compression_ratio if mcfg.is_concept else None,
-                    elastic_ratios=mcfg.elastic_ratios if mcfg.is_concept else None)
+    limits = Limits(model=run.resolve().name, cfg=mcfg, max_model_len=max_len)
     return engine, tok, limits, metrics
 
 
