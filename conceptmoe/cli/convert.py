@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="make the ConceptMoE elastic over these ratios (a fresh ratio embedding; continue with "
                         "conceptmoe train --init RUN, which then draws each sequence's R from them)")
     p.add_argument("--split", metavar="E+C+D",
-                   help="encoder + concept + decoder layers (default thin stages as in the paper's "
-                        "2+23+2: E = D = max(1, round(2n/27)), so 1+(n-2)+1 up to 20 layers)")
+                   help="encoder + concept + decoder layers (default: two token-level layers on each side "
+                        "from 6 layers on, 2+4+2 for 8 layers, as the study found best; 2+23+2 at 27 as the "
+                        "paper; 1+(n-2)+1 below 6)")
     p.add_argument("--loops", type=int, help="run the concept layers N times (default 1; no new parameters)")
     p.add_argument("--joint-layers", type=int, metavar="K",
                    help="joint decoding in the last K decoder layers (default: all D; 0: none)")

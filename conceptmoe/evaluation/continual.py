@@ -77,8 +77,9 @@ class CTConfig:
         source = ck.model_config_of(ck.read_run_config(self.init))
         if source.is_concept:
             raise UserError(f"{self.init} is a ConceptMoE; the CT comparison starts from a MoE run")
-        if self.split is not None:
-            self.split = "+".join(map(str, parse_split(self.split, source.n_layers)))  # checked, canonical
+        # checked and canonical; the default written out, so that a changed default cannot make a
+        # resumed comparison mix layouts (before 2026-12 the default was 1 + (n-2) + 1)
+        self.split = "+".join(map(str, parse_split(self.split, source.n_layers)))
         self.out = self.out or f"runs/ct-{Path(self.init).name}"
         if self.eval_every is None:
             self.eval_every = max(1, -(-self.tokens // (self.batch_size * self.seq_len)) // 4)
@@ -87,8 +88,6 @@ class CTConfig:
         d = dataclasses.asdict(self)
         for transient in ("force", "progress", "device", "dtype", "out", "jobs"):
             d.pop(transient)
-        if d["split"] is None:  # comparisons made before --split existed keep their settings
-            d.pop("split")
         return d
 
 
@@ -113,6 +112,8 @@ def _claim(out: Path, cc: CTConfig) -> None:
         raise UserError(f"--out {out} exists and is not a directory")
     if meta.is_file():
         old = json.loads(meta.read_text())
+        if "split" not in old:  # made before --split existed: convert's default then
+            old["split"] = f"1+{ck.model_config_of(ck.read_run_config(cc.init)).n_layers - 2}+1"
         # Which models run (ratios, variants) does not change how any one of them is trained: a
         # label both comparisons have keeps its finished or interrupted run; anything else is new.
         if _per_run(old) != _per_run(cc.settings()):
@@ -201,7 +202,7 @@ def build_report(cc: CTConfig, starts: dict[str, dict[str, float]]) -> dict[str,
 
 def render_markdown(report: dict[str, Any]) -> str:
     s = report["settings"]
-    split = s.get("split") or "convert's default"
+    split = s.get("split") or "convert's default of the time"
     head = (f"# Continual training from {report['init']}\n\n"
             f"{s['tokens']:,} CT tokens per model; batch {s['batch_size']} x {s['seq_len']}; lr {s['lr']:g} "
             f"(fresh AdamW, warmup + cosine); chunk-lr-mult {s['chunk_lr_mult']:g}; seed {s['seed']}; "

@@ -16,9 +16,10 @@ model's *update* (``dechunk_source="update"``), so at ``ratio=1`` with the fixed
 token a concept, p = 1) it computes exactly the source MoE (tested to 1e-4 for OLMoE, Qwen2-MoE
 and Qwen3-MoE imports).
 
-Default split (the paper's 27-layer model is 2 + 23 + 2): E = D = max(1, round(2·n/27)), the
-concept model takes the rest: 1 + (n-2) + 1 for n <= 20 layers (shallow models), 2 + 23 + 2 at
-n = 27. The paper's CT puts joint decoding in the last 4 layers; here joint decoding can only
+Default split (the paper's 27-layer model is 2 + 23 + 2): two token-level layers on each side
+from 6 layers on, E = D = max(2, round(2·n/27)) (2 + 4 + 2 at n = 8, the layout the study found
+best: in-context copying needs two token-level attention layers, docs/study/round2; 2 + 23 + 2 at
+n = 27), one on each side below 6 layers (1 + 1 + 1 at n = 3). The paper's CT puts joint decoding in the last 4 layers; here joint decoding can only
 sit in decoder layers (it reads the dechunked concept), so the default is K = D (all of them).
 
 ``strategy`` gives the compute-matched variant without new parameters (§3): ``topk`` solves the
@@ -55,11 +56,12 @@ FLAG_FIELDS = {"n_encoder_layers": "--split", "n_decoder_layers": "--split", "co
 
 
 def default_split(n_layers: int) -> tuple[int, int, int]:
-    """(encoder, concept, decoder) layers: thin stages as in the paper's 2 + 23 + 2."""
+    """(encoder, concept, decoder) layers: two token-level layers on each side (one below 6 layers),
+    more in proportion to the paper's 2 + 23 + 2 beyond 27."""
     if n_layers < 3:
         raise UserError(f"the source has {n_layers} layer(s); a ConceptMoE needs at least 3 "
                         "(encoder, concept model, decoder)")
-    edge = max(1, round(2 * n_layers / 27))
+    edge = max(2 if n_layers >= 6 else 1, round(2 * n_layers / 27))
     return edge, n_layers - 2 * edge, edge
 
 
