@@ -1,0 +1,168 @@
+"""The README's headline tables, built from the committed records under docs/ (issue 42).
+
+    python docs/headline.py           # print every table
+    python docs/headline.py --write   # rewrite the README's tables in place (between their markers)
+
+Each table sits in README.md between ``<!-- headline:NAME -->`` and ``<!-- /headline:NAME -->``;
+tests/test_claims.py rebuilds them from the records and fails when the README differs, so a
+figure in a headline table cannot drift from the file it comes from. Paired gaps are
+ConceptMoE − MoE in held-out bits per byte (> 0: the MoE is better), with a Student-t 95%
+interval over seeds; the answer is "level" only if the interval lies within ±0.01, a winner only
+if it excludes 0, else "unresolved" (docs/study/round3/interval.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import statistics
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+README = DOCS.parent / "README.md"
+
+
+def _interval_module():
+    spec = importlib.util.spec_from_file_location("round3_interval", DOCS / "study/round3/interval.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+interval = _interval_module().interval
+
+
+def _load(rel: str) -> dict:
+    return json.loads((DOCS / rel).read_text())
+
+
+def _per_seed(summary: dict, label: str) -> dict[str, float]:
+    m = next(m for m in summary["models"] if m["label"] == label)
+    return {s: r["val_bpb"] for s, r in m["per_seed"].items()}
+
+
+def _precision(summary: dict, label: str) -> str:
+    m = next(m for m in summary["models"] if m["label"] == label)
+    kinds = {r.get("precision") for r in m["per_seed"].values()}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else "not recorded"
+
+
+def _ci(res: dict) -> str:
+    lo, hi = res["ci95"]
+    return f"[{lo:+.3f}, {hi:+.3f}]" if lo is not None else "-"
+
+
+def _row(budget: str, what: str, moe: dict, cm: dict, precision: str, source: str) -> str:
+    seeds = sorted(set(moe) & set(cm), key=str)
+    res = interval([cm[s] - moe[s] for s in seeds])
+    return (f"| {budget} | {what} | {len(seeds)} | {precision} | {statistics.fmean(moe[s] for s in seeds):.4f} | "
+            f"{statistics.fmean(cm[s] for s in seeds):.4f} | {res['mean']:+.4f} | {_ci(res)} | {res['verdict']} | "
+            f"[record]({source}) |")
+
+
+def quality() -> str:
+    head = ("| budget | ConceptMoE (vs the `small` MoE) | seeds | precision | MoE BPB | ConceptMoE BPB | paired gap "
+            "| 95% interval | answer | source |\n|---|---|---|---|---|---|---|---|---|---|")
+    r3 = _load("study/round3/d1.2M-8seeds.json")
+    rows = [_row("1.2M", "default (2 + 4 + 2)", dict(zip(r3["seeds"], r3["moe"])), dict(zip(r3["seeds"], r3["cm"])),
+                 "fp32", "docs/study/round3/d1.2M-8seeds.json")]
+    for budget in ("1.2M", "4.8M", "9.6M"):
+        rel = f"study/round2/d{budget}/summary.json"
+        s = _load(rel)
+        if budget != "1.2M":  # at 1.2M round 3's seeds include round 2's
+            rows.append(_row(budget, "default (2 + 4 + 2)", _per_seed(s, "moe"), _per_seed(s, "topk-R2"),
+                             _precision(s, "topk-R2"), f"docs/{rel}"))
+        if any(m["label"] == "fixed-chunks" for m in s["models"]):
+            rows.append(_row(budget, "fixed chunks (every 2nd token)", _per_seed(s, "moe"),
+                             _per_seed(s, "fixed-chunks"), _precision(s, "fixed-chunks"), f"docs/{rel}"))
+    ct = _load("study/round2/ct-2+4+2/summary.json")
+    rows.append(_row("2.4M + 1.2M", "converted at R = 2 (`topk`), one pretrained MoE continued on 3 batch orders",
+                     _per_seed(ct, "moe"), _per_seed(ct, "R2-topk"), "fp32", "docs/study/round2/ct-2+4+2/summary.json"))
+    return "\n".join([head, *rows])
+
+
+def latency() -> str:
+    head = ("| trained pair (`python-stdlib`, fp32, 1 thread) | prefill 4K | prefill 16K | decode at KV 4K | "
+            "decode at KV 16K | realised R in decode | KV cache vs MoE | source |\n|---|---|---|---|---|---|---|---|")
+    rows = []
+    for budget, seed, rel in (("1.2M", 0, "study/round2/d1.2M/latency-s0/latency.json"),
+                              ("9.6M", 2, "study/round2/d9.6M/latency-s2/latency.json")):
+        rec = _load(rel)
+        moe, cm = f"MoE-top4[seed{seed}]", f"ConceptMoE-1L-top10-R2[seed{seed}]"
+
+        def speedup(kind: str, key: str, n: int) -> str:
+            t = {r["model"]: r["median_s"] for r in rec[kind] if r[key] == n}
+            return f"{t[moe] / t[cm] - 1:+.0%}"
+
+        rs = sorted({round(r["compression"], 2) for r in rec["decode"] if r["model"] == cm})
+        kv = sorted({round(r["kv_ratio_vs_moe"], 2) for r in rec["kv_check"] if r["model"] == cm})
+        rows.append(f"| {budget} seed {seed} | {speedup('prefill', 'tokens', 4096)} | "
+                    f"{speedup('prefill', 'tokens', 16384)} | {speedup('decode', 'kv_len', 4096)} | "
+                    f"{speedup('decode', 'kv_len', 16384)} | {' / '.join(f'{r:.2f}' for r in rs)} "
+                    f"({rec['settings']['decode_steps']} steps) | {' / '.join(f'{k:.2f}' for k in kv)}× | "
+                    f"[record](docs/{rel}) |")
+    return "\n".join([head, *rows])
+
+
+def serving() -> str:
+    head = ("| KV pool (`bench serve`, 2-core CPU) | output tok/s ConceptMoE / MoE | peak sequences | "
+            "KV bytes per token | source |\n|---|---|---|---|---|")
+    rows = []
+    for name in ("fp32-64mb", "bf16-12mb", "fp32-512mb"):
+        rec = _load(f"serving/{name}.json")
+        moe, cm = (next(r for r in rec["rows"] if r["kind"] == k) for k in ("moe", "conceptmoe"))
+        s = rec["settings"]
+        binds = "binds" if cm["preempted_rows"] or moe["preempted_rows"] else "does not bind"
+        rows.append(f"| {s['kv_cache_mb']:g} MiB, {s['dtype']}, {binds} | "
+                    f"{cm['output_tokens_per_s'] / moe['output_tokens_per_s']:.2f}× | "
+                    f"{cm['peak_concurrent']} vs {moe['peak_concurrent']} | "
+                    f"{cm['kv_bytes_per_token']:.0f} vs {moe['kv_bytes_per_token']:.0f} | "
+                    f"[record](docs/serving/{name}.json) |")
+    return "\n".join([head, *rows])
+
+
+def elastic() -> str:
+    head = ("| R | specialist BPB | elastic BPB | elastic − specialist (2 seeds) | 95% interval | "
+            "realised R (specialist / elastic) |\n|---|---|---|---|---|---|")
+    cells = _load("study-elastic/summary.json")["cells"]
+    rows = []
+    for c in (c for c in cells if c["kind"] == "anneal-elastic-router"):
+        fixed = next(f for f in cells if f["kind"] == f"anneal-fixed-R{c['ratio']:g}")
+        res = interval(c["gap_vs_fixed_seeds"])
+        rows.append(f"| {c['ratio']:g} | {fixed['val_bpb']:.4f} | {c['val_bpb']:.4f} | {res['mean']:+.3f} | "
+                    f"{_ci(res)} | {fixed['compression']:.2f} / {c['compression']:.2f} |")
+    return "\n".join([head, *rows])
+
+
+TABLES = {"quality": quality, "latency": latency, "serving": serving, "elastic": elastic}
+
+
+def block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- headline:{name} -->\n)(.*?)(<!-- /headline:{name} -->)", re.S)
+
+
+def write(text: str) -> str:
+    for name, build in TABLES.items():
+        pat = block(name)
+        if not pat.search(text):
+            raise SystemExit(f"error: README.md has no <!-- headline:{name} --> block")
+        text = pat.sub(lambda m, t=build(): m.group(1) + t + "\n" + m.group(3), text)
+    return text
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", action="store_true", help="rewrite the tables in README.md")
+    a = p.parse_args()
+    if a.write:
+        README.write_text(write(README.read_text()))
+    else:
+        for name, build in TABLES.items():
+            print(f"## {name}\n\n{build()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
