@@ -1,5 +1,6 @@
 """Our MoE block and MoE model equal the Hugging Face implementations at copied weights."""
 
+import json
 import pytest
 
 pytest.importorskip("transformers")
@@ -21,5 +22,7 @@ def test_bench_moe_cli(tmp_path, capsys):
     assert main(["bench", "moe", "--arch", "qwen2_moe", "--preset", "tiny", "--seq-len", "16",
                  "--repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
     assert "qwen2_moe" in capsys.readouterr().out
-    assert (tmp_path / "moe_bench.json").is_file()
+    doc = json.loads((tmp_path / "moe_bench.json").read_text())
+    assert doc["machine"]["cpu_model"] and "cpu_bf16" in doc["machine"] and doc["threads"] == 1
+    assert {r["arch"] for r in doc["rows"]} == {"qwen2_moe"} and {r["part"] for r in doc["rows"]} == {"moe_block", "model"}
     assert main(["bench", "moe", "--arch", "mixtral"]) == 2

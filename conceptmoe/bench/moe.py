@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import machine
 from ..errors import UserError
 from ..files import write_text
 from ..interop.hf_config import ARCHS as ARCHS_HF
@@ -133,10 +134,12 @@ TOLERANCE = 1e-4  # largest output difference that counts as "the same model"
 
 
 def write_rows(rows: list[dict], out: str | Path) -> Path:
-    """``moe_bench.json`` (the ``to_dict`` rows) in the folder ``out``."""
+    """``moe_bench.json`` in the folder ``out``: the ``to_dict`` rows, the machine they ran on
+    (``device.machine()``: CPU model and flags, bf16 support, torch) and the thread count."""
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    write_text(path / "moe_bench.json", json.dumps(rows, indent=2, allow_nan=False) + "\n")
+    doc = {"machine": machine(), "threads": torch.get_num_threads(), "rows": rows}
+    write_text(path / "moe_bench.json", json.dumps(doc, indent=2, allow_nan=False) + "\n")
     return path / "moe_bench.json"
 
 
