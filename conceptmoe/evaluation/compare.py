@@ -32,6 +32,7 @@ from ..lock import RunLock, holds_only_lock
 from ..data.shards import is_prepared, open_prepared
 from ..data.tokenizer import save_tokenizer, train_tokenizer
 from ..training.jobs import TrainJob, check_jobs, train_runs
+from ..training.recipe import render_compare
 from .compare_report import (build_vlm_report, data_epochs, plot_curves, plot_p_histograms,  # noqa: F401 (re-exported)
                              render_markdown, render_vlm_markdown, verdict)
 from ..data.digits import VLM_DATA
@@ -195,6 +196,7 @@ def compare(cc: CompareConfig) -> Path:
     corpus = None if prep else load_corpus(cc.data)
     with RunLock(out):
         tok_path = _claim(out, cc, models)
+        write_text(out / "recipe.toml", render_compare(cc.to_dict(), models))  # compare --config reruns it
         if not tok_path.is_file() and prep:
             save_tokenizer(prep.tokenizer(), tok_path)
         elif not tok_path.is_file():
@@ -235,6 +237,7 @@ def _compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
     for _, tc in models:
         model_config(tc)  # every model must build (and match) before anything is trained
     with RunLock(out):
+        write_text(out / "recipe.toml", render_compare(cc.to_dict(), models))
         todo = []
         for label, tc in models:
             for seed in cc.seeds_for(label):

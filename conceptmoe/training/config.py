@@ -190,6 +190,16 @@ def schedule_steps(train: dict[str, Any]) -> int:
     return max(1, math.ceil((train.get("tokens") or DEFAULT_TOKENS) / (train["batch_size"] * train["seq_len"])))
 
 
+def default_warmup(plan: int) -> int:
+    """Warmup steps when --warmup-steps is not given: 5% of the steps the schedule is laid out over."""
+    return max(1, plan // 20)
+
+
+def default_eval_every(total: int) -> int:
+    """Steps between validations when --eval-every is not given: ten per run."""
+    return max(1, total // 10)
+
+
 def comparable_model(model: dict[str, Any]) -> dict[str, Any]:
     """A stored model config as it decides a run: fields added since take their defaults, and a
     MoE's ConceptMoE-only fields (which it never uses, e.g. a preset's boundary sharpness) drop out."""

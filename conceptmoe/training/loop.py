@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from ..errors import Interrupted, UserError
 from ..parallel import distributed, expert_parallel
 from . import parallel_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, default_eval_every, default_warmup
 from .elastic import sample_ratios
 from ..data.corpus import BatchSampler
 from ..model.chunking import confidence_weight_at, sharpness_at
@@ -191,8 +191,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int
     tc, d = lp.tc, lp.dist
     total = tc.total_steps
     plan = schedule or total
-    warmup = tc.warmup_steps if tc.warmup_steps is not None else max(1, plan // 20)
-    eval_every = tc.eval_every if tc.eval_every is not None else max(1, total // 10)
+    warmup = tc.warmup_steps if tc.warmup_steps is not None else default_warmup(plan)
+    eval_every = tc.eval_every if tc.eval_every is not None else default_eval_every(total)
     eval_model = lp.model if distributed.is_sharded(lp.model) else lp.raw
     lp.model.train()
     lp.raw.loss_only = True  # training forwards need the loss, not the logits (model/linear_ce.py)

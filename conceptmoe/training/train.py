@@ -35,6 +35,8 @@ from .config import (RUN_IDENTITY, RUN_SCHEDULE, TrainConfig, comparable_model, 
 from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
 from ..parallel.distributed import Dist
 from .validation import evaluate_tokens
+from .recipe import render_train
+from ..files import write_text
 from .init_run import load_init_weights
 from ..lock import RunLock, holds_only_lock
 from .loop import Loop, TaskData, lr_factor  # noqa: F401  (lr_factor: part of this module's API)
@@ -233,6 +235,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
                                                 "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record,
                                                 "precision": used})
+            write_text(out / "recipe.toml", render_train(tc, used.split(",")[-1]))  # rerun: train --config
         if tc.compile:
             for blk in distributed.blocks(model):
                 blk.compile(dynamic=True)
@@ -289,7 +292,7 @@ def _precision(tc: TrainConfig, device, resumed: dict | None) -> tuple[str, str,
             note += f"; this machine's default would be {default}"
         return last, before, note
     dtype = tc.dtype or default
-    note = dtype_note(device, dtype, tc.dtype)
+    note = dtype_note(device, dtype, tc.dtype if tc.dtype != default else None)  # a recipe freezes the default
     if last and last != dtype:
         note += f"; the run so far was trained in {before}"
         return dtype, f"{before},{dtype}", note
