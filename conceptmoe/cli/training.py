@@ -33,7 +33,7 @@ MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a
 _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
                 "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
-                "dtype", "compile", "expert_parallel", "experts_multiple_of")
+                "dtype", "compile", "expert_parallel", "experts_multiple_of", "log")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +82,11 @@ def _register_train(sub) -> None:
     p.add_argument("--init", metavar="RUN",
                    help="start from this run's weights, model config and tokenizer (continual training: fresh "
                         "optimizer, new schedule); --set may change fields that keep the weights' shapes")
+    p.add_argument("--log", choices=("jsonl", "tensorboard"),
+                   help="watch the run: jsonl adds the chunk router's and experts' health (compression vs R, p "
+                        "histogram, tokens per expert, imbalance, dead experts, z-loss), MFU and warnings to "
+                        "metrics.jsonl every validation interval; tensorboard also writes them to RUN/tensorboard/ "
+                        "(pip install -e \".[tensorboard]\")")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--force", action="store_true", help="replace a run already in --out")
     p.add_argument("--verify", action="store_true",
@@ -140,7 +145,8 @@ def _register_eval(sub) -> None:
                        description="Evaluate a trained run on its held-out text, or on --data.")
     p.add_argument("run", help="run directory")
     p.add_argument("--data", help="evaluate on all text under this path instead of the run's held-out split")
-    p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, val_bpb, compression, tokens)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (val_loss, val_bpb, compression, tokens; "
+                                                       "health: the chunk router's and every MoE layer's figures)")
     p.add_argument("--batch-size", type=int, help="windows per forward pass (default 16)")
     p.add_argument("--val-tokens", type=int, help="cap on held-out tokens (default: the run's --val-tokens)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -178,7 +184,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                    ratio=args.ratio, extrapolate=args.extrapolate)
     if not math.isfinite(res["val_loss"]):
         raise UserError(f"validation loss is {res['val_loss']}: the run's weights have diverged")
-    keys = ("val_loss", "val_bpb", "compression", "tokens") + (("ratio",) if "ratio" in res else ())
+    keys = ("val_loss", "val_bpb", "compression", "tokens") + (("ratio",) if "ratio" in res else ()) + ("health",)
     if args.json:
         print(json.dumps({k: res[k] for k in keys}))
     else:

@@ -38,7 +38,7 @@ def evaluate(run_dir: str | Path, data: str | Path | None = None, device: str = 
     ids, max_tokens = held_out_tokens(run_cfg, cfg, tok, data, max_tokens)
     seq_len = int(run_cfg.get("train", {}).get("seq_len", 256))
     return evaluate_tokens(model, ids, byte_lengths(tok, cfg.vocab_size), seq_len,
-                           batch_size or EVAL_BATCH, max_tokens, progress, ratio, extrapolate)
+                           batch_size or EVAL_BATCH, max_tokens, progress, ratio, extrapolate, health=True)
 
 
 def held_out_tokens(run_cfg: dict[str, Any], cfg, tok, data: str | Path | None = None,

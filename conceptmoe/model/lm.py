@@ -28,6 +28,7 @@ from torch import nn
 from .attention import Attention, RMSNorm, rope_tables
 from .chunking import ChunkRouter, Chunks, boundaries, dechunk, gather_concepts, ratio_loss, ratio_loss_fg
 from .config import ModelConfig
+from .health import HealthTally
 from .elastic import RatioEmbedding, RatioTerms, as_ratios, check_ratio, per_sequence_ratio_loss, ratio_values
 from .linear_ce import linear_cross_entropy
 from .moe import MoE, MoEAux, compute_dtype
@@ -97,6 +98,8 @@ class LanguageModel(nn.Module):
         # Sums of a whole accumulated batch (``collect_stats``), set by the trainer around micro-steps.
         self.stats_totals: torch.Tensor | None = None
         self._stats_capture: list | None = None
+        # Counts the routers' work over the forwards of one mode when set (``health.py``: watching a run).
+        self.health: HealthTally | None = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -126,6 +129,8 @@ class LanguageModel(nn.Module):
         stats = [a.stats for a in moe_aux]
         if self._stats_capture is not None:
             self._stats_capture.append(stats_vector(stats, chunk))
+        if self.health is not None and self.health.counts(self):
+            self.health.add_router(stats)
         if not self.training:
             return router_losses(stats, None, chunk)
         return router_losses(stats, self.stats_reduce, chunk, self.stats_totals)
@@ -298,6 +303,8 @@ class ConceptMoELM(LanguageModel):
             x, a = blk(x, cos, sin, z=z_tok, dispatch=self.dispatch)
             aux_d.append(a)
         real = attention_mask.bool() if attention_mask is not None else None  # (B, T)
+        if self.health is not None and self.health.counts(self):
+            self.health.add_chunk(p, b, real, cfg.elastic_ratios, None if terms is None else terms.ratio)
         chunk = ChunkStats(p.float().sum(), b.sum(), torch.tensor(b.numel(), device=b.device)) if real is None \
             else ChunkStats((p.float() * real).sum(), (b & real).sum(), real.sum())
         balance, z_loss, (F_, G, compression) = self._router_terms(moe_aux + aux_c + aux_d, chunk)

@@ -37,6 +37,7 @@ CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "boundar
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
                               "concept_loops", "concept_n_experts", "concept_top_k")
 # Changing these on --resume would make a different run.
+LOG_MODES = ("jsonl", "tensorboard")  # --log: what watching a run writes besides the plain metrics rows
 RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed", "ratios")
 # What a resumed run keeps of its optimizer's settings: the lr schedule (peak, warmup, floor) and
 # the groups' decay and router multiplier (which the checkpointed optimizer state restores anyway).
@@ -93,6 +94,9 @@ class TrainConfig:
     force: bool = False
     progress: bool = True
     verify: bool = False  # check every prepared shard's SHA-256 before training (always done on --resume)
+    # Watching a run (health.py): "jsonl" adds the router's and experts' health and warnings to
+    # metrics.jsonl, "tensorboard" also writes them as TensorBoard events; None: the plain rows.
+    log: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in ("conceptmoe", "moe"):
@@ -105,6 +109,8 @@ class TrainConfig:
             raise UserError("give --max-steps or --tokens, not both")
         if self.parallel is not None and self.parallel not in ("ddp", "fsdp"):
             raise UserError(f"--parallel must be ddp or fsdp (got {self.parallel!r})")
+        if self.log is not None and self.log not in LOG_MODES:
+            raise UserError(f"--log must be one of {', '.join(LOG_MODES)} (got {self.log!r})")
         if self.dtype is not None and self.dtype not in ("fp32", "bf16"):
             raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
         for name in ("max_steps", "tokens", "save_every", "batch_size", "seq_len", "eval_tokens", "val_tokens",
@@ -169,6 +175,8 @@ class TrainConfig:
             del d["ratios"]
         if d["experts_multiple_of"] in (None, 1):  # likewise before --experts-multiple-of
             del d["experts_multiple_of"]
+        if d["log"] is None:  # likewise before --log
+            del d["log"]
         return d
 
     @classmethod
@@ -212,7 +220,7 @@ def trained_as(stored: dict[str, Any], tc: TrainConfig) -> bool:
     the same model (``comparable_model``) and training settings, not counting where, on what
     device or in what precision it ran (config.json records that: ``precision``); --set overrides
     count through the model config they give."""
-    place = ("device", "out", "tokenizer", "overrides", "dtype")
+    place = ("device", "out", "tokenizer", "overrides", "dtype", "log")
     train = lambda d: {k: v for k, v in d.items() if k not in place}  # noqa: E731
     return (comparable_model(stored["model"]) == comparable_model(model_config(tc).to_dict())
             and train(stored.get("train", {})) == train(tc.to_dict()))

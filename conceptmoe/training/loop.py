@@ -40,6 +40,7 @@ from ..parallel import distributed, expert_parallel
 from . import parallel_checkpoint
 from .config import TrainConfig, default_eval_every, default_warmup
 from .elastic import sample_ratios
+from .health import Watch
 from ..data.corpus import BatchSampler
 from ..model.chunking import confidence_weight_at, sharpness_at
 from ..parallel.distributed import Dist
@@ -204,6 +205,9 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int
     cfg = lp.raw.cfg
     elastic = (tc.ratios or [[r, 1.0] for r in cfg.elastic_ratios]) if getattr(cfg, "elastic_ratios", None) else None
     log = open(out / "metrics.jsonl", "a") if d.main else None
+    # --log: the router's and experts' health every validation interval (health.py)
+    watch = Watch(lp.raw, tc.log, out, step, total, eval_every or max(1, total // 10), tc.seq_len, d,
+                  lp.dtype) if tc.log else None
     try:
         while step < total:
             t0 = time.perf_counter()
@@ -257,6 +261,8 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int
             if bad:
                 bar.close()
                 raise UserError(f"training diverged at step {step}: {bad}; stopped, {_kept(saved)}")
+            if watch is not None:
+                watch.add(row, aux, step)
             if log is not None:
                 log.write(json.dumps(row, allow_nan=False) + "\n")
                 log.flush()
@@ -276,4 +282,6 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int
     finally:
         if log is not None:
             log.close()
+        if watch is not None:
+            watch.close()
     bar.close()

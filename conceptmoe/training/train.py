@@ -29,7 +29,7 @@ from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
 from ..parallel import distributed
-from . import loop, parallel_checkpoint
+from . import loop, parallel_checkpoint, tblog
 from .config import (RUN_IDENTITY, RUN_SCHEDULE, TrainConfig, comparable_model, default_out, model_config,
                      match_result, resolve_data, schedule_steps)
 from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
@@ -202,6 +202,8 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
     mc = model_config(tc)
     out = Path(tc.out) if tc.out else default_out(tc, mc)
     mode = tc.parallel or "ddp"
+    if tc.log == "tensorboard":  # before anything is written
+        tblog.require()
     if tc.batch_size % (d.world * tc.grad_accum):
         raise UserError(f"--batch-size {tc.batch_size} must be a multiple of processes x --grad-accum "
                         f"({d.world} x {tc.grad_accum})")

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..model.health import P_BINS, HealthTally, summary
 
-P_BINS = 20  # boundary-probability histogram bins over [0, 1] (ConceptMoE: how decisive the router is)
+# P_BINS (model/health.py): boundary-probability histogram bins over [0, 1] (how decisive the router is)
 EVAL_BATCH = 16  # windows per forward pass: one fixed value, so every evaluation path agrees bitwise
 
 
@@ -39,7 +40,8 @@ def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
 @torch.no_grad()
 def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarray, seq_len: int,
                     batch_size: int = EVAL_BATCH, max_tokens: int | None = None,
-                    progress: bool = False, ratio: float | None = None, extrapolate: bool = False) -> dict[str, Any]:
+                    progress: bool = False, ratio: float | None = None, extrapolate: bool = False,
+                    health: bool = False) -> dict[str, Any]:
     """Validation numbers of ``model`` over the token ids ``ids`` (restores train/eval mode).
 
     ``progress`` shows a bar for validations of more than a few batches. ``ratio``: the R asked
@@ -53,6 +55,9 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    tally, before = (HealthTally(training=False) if health else None), getattr(model, "health", None)
+    if tally is not None:
+        model.health = tally
     nll, n_pred, n_bytes, n_tok, n_concepts = 0.0, 0, 0, 0, 0
     p_hist = torch.zeros(P_BINS, dtype=torch.float64)
     spans = windows(len(ids), seq_len)
@@ -74,10 +79,16 @@ def evaluate_tokens(model: torch.nn.Module, ids: np.ndarray, byte_len: np.ndarra
         if out.chunks is not None:  # position 0 of a window is a boundary by definition (p = 1)
             p_hist += torch.histc(out.chunks.p[:, 1:].double().cpu(), bins=P_BINS, min=0.0, max=1.0)
     model.train(was_training)
+    if tally is not None:
+        model.health = before
     result = {"val_loss": nll / n_pred, "val_bpb": nll / math.log(2) / max(n_bytes, 1),
               "compression": n_tok / max(n_concepts, 1), "tokens": n_pred}
     if ratio is not None:
         result["ratio"] = float(ratio)
     if p_hist.sum() > 0:
         result["p_histogram"] = [int(c) for c in p_hist.tolist()]
+    if tally is not None:
+        result["health"] = summary(tally, model.cfg)
+        if model.cfg.is_concept:
+            result["health"]["target"] = float(ratio or model.cfg.compression_ratio)
     return result
