@@ -29,7 +29,7 @@ from ..model.config import ModelConfig
 from ..model.lm import build_model
 from . import checkpoint as ck
 from ..parallel import distributed
-from . import loop, parallel_checkpoint, tblog
+from . import loop, parallel_checkpoint, ratio_calibration, reproducible, tblog
 from .config import (RUN_IDENTITY, RUN_SCHEDULE, TrainConfig, comparable_model, default_out, model_config,
                      match_result, resolve_data, schedule_steps)
 from ..data.corpus import DOC_SEP, BatchSampler, check_record, load_corpus
@@ -224,6 +224,11 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             print(dnote, file=sys.stderr)
             if tc.strategy and (tc.experts_multiple_of or 1) > 1:
                 print(_constraint_note(tc, mc), file=sys.stderr)
+        reproducible.make_deterministic(d.device)
+        env, env_note = reproducible.resumed_environment(stored if ckpt is not None else None,
+                                                         reproducible.environment(d.world, d.device))
+        if env_note and tc.progress and d.main:
+            print(env_note, file=sys.stderr)
         torch.manual_seed(tc.seed)
         model = build_model(mc).to(d.device)
         if tc.init and ckpt is None:  # not resuming: start from --init
@@ -236,7 +241,7 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
             save_tokenizer(data.tokenizer, out / "tokenizer.json")
             ck.write_json(out / "config.json", {"format": ck.RUN_FORMAT, "version": ck.RUN_VERSION, "name": mc.name,
                                                 "model": mc.to_dict(), "train": tc.to_dict(), "data": data.record,
-                                                "precision": used})
+                                                "precision": used, "environment": env})
             write_text(out / "recipe.toml", render_train(tc, used.split(",")[-1]))  # rerun: train --config
         if tc.compile:
             for blk in distributed.blocks(model):
@@ -262,14 +267,34 @@ def _train(tc: TrainConfig, d: Dist) -> Path:
         with StopOnSignal() as stop:
             loop.run(lp, step, stop, skipped, schedule)
         # FSDP: the final evaluation (and the generation of vlm-digits) runs on full weights, as `eval` would
-        final = data.final(parallel_checkpoint.full_model(model, lp.plain, d) if distributed.is_sharded(model)
-                           else lp.raw)
+        done = parallel_checkpoint.full_model(model, lp.plain, d) if distributed.is_sharded(model) else lp.raw
+        calibration = _calibrate(done, data.sampler, out, d, tc)
+        final = data.final(done)
+        if calibration is not None:
+            final["calibration"] = calibration
         if not math.isfinite(final["val_loss"]):
             raise UserError(f"final validation loss is {final['val_loss']}; the run diverged (checkpoint kept)")
         if d.main:
             ck.write_json(out / "eval.json", {**final, "step": tc.total_steps})
         d.barrier()
     return out
+
+
+def _calibrate(model: torch.nn.Module, sampler, out: Path, d: Dist, tc: TrainConfig) -> dict | None:
+    """An elastic run's last step (ratio_calibration.py): each trained R realised by the inference
+    rule on training text; model.safetensors gets the moved shifts, the checkpoint keeps its own."""
+    if getattr(model, "ratio_embed", None) is None:
+        return None
+    ids = ratio_calibration.training_slice(sampler)
+    if ids is None:
+        return None
+    record = ratio_calibration.calibrate(model, ids)
+    if d.main:
+        ratio_calibration.rewrite_weights(out / "model.safetensors", [r["shift_move"] for r in record["ratios"]])
+        if tc.progress:
+            print(ratio_calibration.note(record), file=sys.stderr)
+    d.barrier()
+    return record
 
 
 def _constraint_note(tc: TrainConfig, mc: ModelConfig) -> str:

@@ -1,0 +1,78 @@
+"""Bit-identical reruns: what a run's numbers depend on besides its recipe and seed.
+
+Every random draw of training is a pure function of the seed and a position (the data order of
+``data/corpus.py`` and ``data/shards.py``, the boundary uniforms of ``loop.boundary_uniforms``
+keyed by the batches drawn, skipped steps included, the initial weights of ``torch.manual_seed``),
+and a checkpoint holds the optimizer, the data position and the skip count. So two runs of one
+recipe and seed give the same bytes, resumed or not, as long as the arithmetic is the same:
+the same torch build, the same number of threads (a CPU reduction splits its sum by thread: one
+thread against two differs by ~5e-7 in the loss after a few steps, and boundary sampling then
+amplifies the difference, see docs/training.md) and the same machine's kernels (AVX2 against
+AVX-512, AMX bf16 against emulated). On CUDA the scatter-adds of the expert dispatch and the
+attention backward are not deterministic by default: ``make_deterministic`` asks torch for its
+deterministic kernels.
+
+``environment()`` is recorded in config.json at the start of a run; a resumed session on another
+environment is named in one line (its numbers go on, but are no longer bit-identical to an
+uninterrupted run) and appended to the record.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..device import machine
+
+# What changes the arithmetic of a run: compared on --resume.
+ARITHMETIC = ("torch", "threads", "world", "cpu_model", "cpu_flags", "gpu")
+
+
+def environment(world: int, device: torch.device) -> dict[str, Any]:
+    """The machine, torch build, thread count and process count of this session."""
+    env = {**machine(), "threads": torch.get_num_threads(), "world": world, "device": device.type}
+    if device.type == "cuda":
+        env["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    return env
+
+
+def make_deterministic(device: torch.device) -> None:
+    """On CUDA: deterministic kernels (index_add / scatter_add through sorting, cuBLAS with a fixed
+    workspace; ops that have none warn instead of failing). CPU kernels are deterministic for a
+    fixed thread count already, so nothing changes there."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The arithmetic settings that differ between two sessions, as 'name a -> b'."""
+    out = []
+    for key in ARITHMETIC:
+        if before.get(key) != now.get(key):
+            a, b = before.get(key), now.get(key)
+            if key == "cpu_flags":
+                a, b = f"{len(a or [])} flags", f"{len(b or [])} flags (another instruction set)"
+            out.append(f"{key} {a} -> {b}")
+    return out
+
+
+def resumed_environment(stored: dict[str, Any] | None, now: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the environment record to write, a one-line note or None) for a session continuing a run
+    whose config.json is ``stored`` (None or without a record: a fresh start, or a run from
+    before the record)."""
+    record = (stored or {}).get("environment")
+    if not record:
+        return {"start": now, "resumed_on": []}, None
+    first = record["start"]
+    last = record["resumed_on"][-1] if record.get("resumed_on") else first
+    diff = differences(last, now)
+    if not diff:
+        return record, None
+    note = ("resumed on another environment (" + "; ".join(diff) + "): training goes on, but from here its "
+            "numbers are not bit-identical to an uninterrupted run")
+    return {**record, "resumed_on": [*record.get("resumed_on", []), now]}, note
