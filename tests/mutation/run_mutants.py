@@ -174,6 +174,25 @@ MUTANTS = [
     Mutant("match-ignores-expert-multiple", "conceptmoe/model/match.py",
            "    for over in _candidates(base, strategy, multiple):", "    for over in _candidates(base, strategy, 1):",
            ("tests/test_flops.py", "tests/test_shardable_match.py"), "--experts-multiple-of ignored by the solver"),
+    # --- issues 41 / 42 (this round): calibration, reruns, recipes, health ---
+    Mutant("calibration-wrong-direction", "conceptmoe/training/ratio_calibration.py",
+           "            lo = mid  # too few boundaries: raise p", "            hi = mid  # too few boundaries: raise p",
+           ("tests/test_ratio_calibration.py",), "the bisection moves the shift the wrong way"),
+    Mutant("calibration-weights-sign", "conceptmoe/training/ratio_calibration.py",
+           "tensors[key] = tensors[key] + torch.tensor(moves", "tensors[key] = tensors[key] - torch.tensor(moves",
+           ("tests/test_ratio_calibration.py",), "model.safetensors gets the opposite moves"),
+    Mutant("calibration-loses-position", "conceptmoe/training/ratio_calibration.py",
+           "        sampler.set_position(keep)", "        pass",
+           ("tests/test_ratio_calibration.py",), "drawing the calibration slice moves the data position"),
+    Mutant("resume-environment-unnamed", "conceptmoe/training/reproducible.py",
+           "        if before.get(key) != now.get(key):", "        if False:",
+           ("tests/test_reproducible.py",), "a resume on another thread count is not named"),
+    Mutant("recipe-file-beats-flags", "conceptmoe/cli/recipe.py",
+           "    return {**file, **cli} if file", "    return {**cli, **file} if file",
+           ("tests/test_recipe_files.py",), "the file's [set] beats the command line's --set"),
+    Mutant("dead-expert-never-warned", "conceptmoe/training/health.py",
+           "            dead = [i for i, c in enumerate(e[\"tokens\"]) if c == 0]",
+           "            dead = []", ("tests/test_watch.py",), "an expert with no token is not reported"),
 ]
 
 
