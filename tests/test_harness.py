@@ -147,4 +147,4 @@ def test_cli_eval_tasks_refusals(run, capsys, argv, words):
 def test_plain_eval_is_unchanged_by_the_harness(run, capsys):
     assert main(["eval", str(run), "--data", str(ensure_tasks() / "cmoe_heldout_ppl.jsonl"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out) == {"val_loss", "val_bpb", "compression", "tokens"} and out["tokens"] > 1000
+    assert set(out) == {"val_loss", "val_bpb", "compression", "tokens", "health"} and out["tokens"] > 1000
