@@ -126,7 +126,10 @@ def test_init_elastic_reinterpolates_the_ratio_tables(elastic, tmp_path, ratios,
     run = train(TrainConfig(**{**TINY, "lr": 1e-12, "progress": True}, data=str(corpus), init=str(src),
                             out=str(tmp_path / "ct"), max_steps=1, ratios=ratios))
     assert "re-interpolated (in log R) onto --ratios " + ratios in capsys.readouterr().err
-    old_w, new_w = load_file(str(src / "model.safetensors")), load_file(str(run / "model.safetensors"))
+    # --init loads the source's model.safetensors (calibrated shifts); the new run's checkpoint holds what
+    # it trained from them (its model.safetensors is calibrated again: training/ratio_calibration.py)
+    ckpt = next((run / "checkpoints").iterdir()) / "model.safetensors"
+    old_w, new_w = load_file(str(src / "model.safetensors")), load_file(str(ckpt))
     old = RatioEmbedding([1.5, 2.0, 3.0], new_w["ratio_embed.router"].shape[1], "router", 2.0)
     old.load_state_dict({k.split(".", 1)[1]: v for k, v in old_w.items() if k.startswith("ratio_embed.")})
     want = old(torch.tensor(new))  # what the init run serves at the new ratios (5: extrapolated)
