@@ -73,7 +73,7 @@ def test_training_slice_restores_the_position():
     import numpy as np
 
     s = BatchSampler(np.arange(4096, dtype=np.int64), seq_len=16, batch_size=4, seed=0)
-    s.next(), s.next()
+    s.next(), s.next(), s.next()  # not where drawing the 2-batch slice from the start would leave it
     pos = dict(s.position)
     ids = ratio_calibration.training_slice(s, n_tokens=128)
     assert ids.shape == (8, 16) and s.position == pos

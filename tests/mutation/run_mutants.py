@@ -200,6 +200,8 @@ def copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     shutil.copytree(ROOT / "conceptmoe", dest / "conceptmoe", ignore=ignore)
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=ignore)
+    for folder in ("recipes", "docs"):  # tests/test_recipe_files.py reads the recipes and their study records
+        shutil.copytree(ROOT / folder, dest / folder, ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
