@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..model.elastic import require_ratio
+from ..model.health import compression_off
 from ..data.digits import VLM_DATA, eval_examples, load_digits
 from ..training.checkpoint import load_run, read_run_config
 from ..training.digits import N_EVAL, evaluate_vlm
@@ -81,19 +82,14 @@ def evaluate_vlm_run(run_dir: str | Path, device: str = "auto") -> dict[str, flo
     return evaluate_vlm(model, digits, eval_examples(digits, N_EVAL, cfg.n_patches))
 
 
-COMPRESSION_TOLERANCE = 0.15  # realised vs target R on held-out text before a warning
-
-
 def compression_warning(realised: float, target: float, router: str = "cosine") -> str | None:
     """A one-line warning when a learned router's held-out compression is far from its target R.
 
     The ratio loss holds the *training-time* compression (Bernoulli samples of p: about 1/mean p) at
     R; evaluation and inference cut where p >= 0.5. The two agree only when p is decisive: measured
     on the `small` preset at 1.2M tokens with sharpness 1, R = 4 realised 22-46 (docs/study-elastic)."""
-    if router == "fixed" or target <= 1 or not realised > 0:
-        return None
-    off = realised / target - 1
-    if abs(off) <= COMPRESSION_TOLERANCE:
+    off = None if router == "fixed" else compression_off(realised, target)  # the band of model/health.py
+    if off is None:
         return None
     return (f"warning: held-out compression {realised:.2f} is {off:+.0%} off the target R = {target:g}: the router's "
             f"boundary probabilities are not decisive (training samples Bernoulli(p), evaluation cuts at p >= 0.5); "

@@ -36,8 +36,8 @@ CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "boundar
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
                               "concept_loops", "concept_n_experts", "concept_top_k")
-# Changing these on --resume would make a different run.
 LOG_MODES = ("jsonl", "tensorboard")  # --log: what watching a run writes besides the plain metrics rows
+# Changing these on --resume would make a different run.
 RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed", "ratios")
 # What a resumed run keeps of its optimizer's settings: the lr schedule (peak, warmup, floor) and
 # the groups' decay and router multiplier (which the checkpointed optimizer state restores anyway).

@@ -206,7 +206,7 @@ def run(lp: Loop, step: int, stop: StopOnSignal, skipped: int = 0, schedule: int
     elastic = (tc.ratios or [[r, 1.0] for r in cfg.elastic_ratios]) if getattr(cfg, "elastic_ratios", None) else None
     log = open(out / "metrics.jsonl", "a") if d.main else None
     # --log: the router's and experts' health every validation interval (health.py)
-    watch = Watch(lp.raw, tc.log, out, step, total, eval_every or max(1, total // 10), tc.seq_len, d,
+    watch = Watch(lp.raw, tc.log, out, step, total, eval_every or default_eval_every(total), tc.seq_len, d,
                   lp.dtype) if tc.log else None
     try:
         while step < total:

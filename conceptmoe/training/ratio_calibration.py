@@ -37,20 +37,20 @@ SPAN = 8.0  # |shift move| searched, in logits
 SHIFT_KEY = "ratio_embed.shift"  # the table in model.safetensors
 
 
-def realised(model: torch.nn.Module, h: torch.Tensor, ratio: float, move: float) -> float:
-    """Tokens per boundary of the inference rule at ``ratio`` with its shift moved by ``move``."""
-    terms = model.ratio_terms(ratio, h.shape[0], h.device)
-    terms = dataclasses.replace(terms, shift=terms.shift + move)
-    b = boundaries(model.route(h, terms), training=False, noise=False, sharpness=1.0)
+def realised(model: torch.nn.Module, h: torch.Tensor, terms, move: float) -> float:
+    """Tokens per boundary of the inference rule for the ratio terms ``terms`` with their shift moved
+    by ``move``."""
+    b = boundaries(model.route(h, dataclasses.replace(terms, shift=terms.shift + move)), training=False,
+                   noise=False, sharpness=1.0)
     return b.numel() / max(int(b.sum()), 1)
 
 
-def solve(model: torch.nn.Module, h: torch.Tensor, ratio: float) -> float:
+def solve(model: torch.nn.Module, h: torch.Tensor, terms, ratio: float) -> float:
     """The shift move that makes the rule realise ``ratio`` (compression falls as the shift rises)."""
     lo, hi = -SPAN, SPAN
     for _ in range(ITERATIONS):
         mid = (lo + hi) / 2
-        if realised(model, h, ratio, mid) > ratio:
+        if realised(model, h, terms, mid) > ratio:
             lo = mid  # too few boundaries: raise p
         else:
             hi = mid
@@ -87,9 +87,10 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
     h = h.float()
     rows = []
     for ratio in model.ratio_embed.ratios:
-        before = realised(model, h, ratio, 0.0)
-        move = solve(model, h, ratio)
-        rows.append({"ratio": ratio, "before": before, "shift_move": move, "after": realised(model, h, ratio, move)})
+        terms = model.ratio_terms(ratio, h.shape[0], h.device)  # the move only changes the shift
+        move = solve(model, h, terms, ratio)
+        rows.append({"ratio": ratio, "before": realised(model, h, terms, 0.0), "shift_move": move,
+                     "after": realised(model, h, terms, move)})
     model.train(was_training)
     apply(model, [r["shift_move"] for r in rows])
     return {"tokens": int(ids.numel()), "source": "training text (first batches of epoch 0)", "ratios": rows}
@@ -106,18 +107,13 @@ def rewrite_weights(path: Path, moves: list[float]) -> None:
     """Replace ``path`` (a hard link to the last checkpoint's weights) by a copy whose shift table
     holds the moves; the checkpoint's file is left as it is. Atomic."""
     tensors = load_file(path)
-    meta = safe_open_metadata(path)
-    key = SHIFT_KEY
-    tensors[key] = tensors[key] + torch.tensor(moves, dtype=tensors[key].dtype)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+    tensors[SHIFT_KEY] = tensors[SHIFT_KEY] + torch.tensor(moves, dtype=tensors[SHIFT_KEY].dtype)
     tmp = path.with_name(f".{path.name}.calibrated.tmp")
     save_file(tensors, tmp, metadata=meta)
     set_modes(tmp)  # safetensors writes 0600; a run's files get the umask's mode
     os.replace(tmp, path)
-
-
-def safe_open_metadata(path: Path) -> dict[str, str] | None:
-    with safe_open(path, framework="pt") as f:
-        return f.metadata()
 
 
 def note(record: dict[str, Any]) -> str:
