@@ -1,0 +1,242 @@
+"""What long context changes, for the MoE and the ConceptMoE of each seed (issue 44, round 3 §2 and §4).
+
+    python docs/study/round3/long_context.py NAME COMPARE_DIR [COMPARE_DIR ...] [--label topk-R2]
+
+Each COMPARE_DIR is a finished (or partly finished) ``conceptmoe compare`` output; its runs'
+training length (``--seq-len``) comes from their config.json, so the 2048 and the 256 pairs of a
+seed can be given together. For every run it measures, on the run's own held-out split (never
+seen in training, nothing tuned on it):
+
+- ``position``: held-out BPB by position in a document. The held-out documents of at least 2048
+  tokens, their first 2048 tokens each, scored in the run's own windows (one window at 2048;
+  windows of 256 overlapping by one token for a 256 run, so its late positions see 256 tokens of
+  context), summed per bucket of positions: [1, 64), [64, 256), [256, 512), [512, 1024),
+  [1024, 2048).
+- ``needle``: the needle task at 512 / 1024 / 2048 tokens (harness/tasks.py's ``niah_docs``
+  built from the held-out text: "The secret word is W." at a random depth, four choices asked at
+  the end), scored in the last ``seq_len`` tokens of the document (a 256 run cannot see the
+  needle: its figure is the chance control). ``acc`` (chance 0.25) and ``nll``: the mean
+  nats of the right word.
+- ``copy``: a 64-token held-out span, then ``gap`` tokens of other held-out text, then the span
+  again; BPB of the repeat (its first token left out) scored in the last ``seq_len`` tokens, beside
+  the BPB of the same tokens without the first occurrence (``first``). Gaps 64, 1024 and 1856.
+- ``wallclock``: held-out BPB against training time (the sum of the measured step times of
+  metrics.jsonl, validation excluded) and the BPB of each model at the time the faster model ended.
+
+Per-run figures are cached in RUN/long_context.json (remove it to measure again). The record
+docs/study/round3/NAME.json holds every run's figures and, per training length, the paired gaps
+ConceptMoE - MoE per seed with their mean and Student-t 95% interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from interval import t95  # noqa: E402
+
+from conceptmoe.data.corpus import DOC_SEP, load_corpus  # noqa: E402
+from conceptmoe.data.tokenizer import byte_lengths, encode_documents  # noqa: E402
+from conceptmoe.harness.tasks import niah_docs  # noqa: E402
+from conceptmoe.training.checkpoint import load_run, read_metrics  # noqa: E402
+from conceptmoe.training.validation import windows  # noqa: E402
+
+VERSION = 1  # of the probes: a cached long_context.json of another version is measured again
+DOC_TOKENS = 2048  # --doc-tokens: the longest context probed (smaller only to test the script)
+NEEDLE_DOCS = 24
+SPAN, COPY_SPANS = 64, 32
+BATCH = 8
+
+
+def buckets(doc: int) -> list[tuple[int, int]]:
+    """[1, 64), [64, 256), [256, 512), [512, 1024), [1024, 2048) for 2048, cut at ``doc``."""
+    edges = [1] + [e for e in (64, 256, 512, 1024) if e < doc] + [doc]
+    return list(zip(edges, edges[1:]))
+
+
+def needle_lengths(doc: int) -> tuple[int, ...]:
+    return doc // 4, doc // 2, doc  # 512, 1024, 2048
+
+
+def copy_gaps(doc: int) -> tuple[int, ...]:
+    return tuple(sorted({SPAN, doc // 2, doc - 3 * SPAN}))  # 64, 1024, 1856: the last fills the window
+
+
+@torch.no_grad()
+def token_nll(model, seqs: list[np.ndarray]) -> np.ndarray:
+    """(B, T-1) nats of each next token of equal-length sequences, one forward per BATCH."""
+    out = []
+    for i in range(0, len(seqs), BATCH):
+        x = torch.from_numpy(np.stack(seqs[i:i + BATCH]).astype(np.int64))
+        logits = model(x).logits[:, :-1].float()
+        out.append(F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").double().numpy())
+    return np.concatenate(out)
+
+
+def position_bpb(model, docs: list[np.ndarray], seq_len: int, byte_len: np.ndarray, doc: int) -> dict:
+    """Held-out BPB per bucket of positions in the document (module doc)."""
+    if not docs:
+        raise SystemExit(f"error: no held-out document has {doc} tokens; lower --doc-tokens")
+    nll, nbytes = np.zeros(doc), np.zeros(doc)
+    for ids in docs:
+        for a, b in windows(len(ids), seq_len):
+            loss = token_nll(model, [ids[a:b]])[0]
+            nll[a + 1:b] += loss
+            nbytes[a + 1:b] += byte_len[ids[a + 1:b]]
+    return {f"{lo}-{hi}": nll[lo:hi].sum() / math.log(2) / nbytes[lo:hi].sum() for lo, hi in buckets(doc)}
+
+
+def needle_scores(model, tok, text: str, seq_len: int, chars_per_token: float, doc: int) -> dict:
+    """acc and mean nats of the right word of the needle task at each length (module doc)."""
+    out = {}
+    for length in needle_lengths(doc):
+        right, nll = 0, []
+        for d in niah_docs(text, int(length * chars_per_token), NEEDLE_DOCS, seed=44):
+            ctx = d["context"]
+            choices = [tok.encode(" " + c).ids for c in d["choices"]]
+            while len(tok.encode(ctx).ids) + max(map(len, choices)) > length:  # whole lines off the front
+                ctx = ctx[ctx.index("\n") + 1:]
+            ids = tok.encode(ctx).ids
+            scores = []
+            for c in choices:
+                seq = np.asarray(ids + c)[-seq_len:]
+                scores.append(float(token_nll(model, [seq])[0][-len(c):].sum()))
+            right += int(np.argmin(scores) == d["label"])
+            nll.append(scores[d["label"]])
+        out[str(length)] = {"acc": right / NEEDLE_DOCS, "nll": statistics.fmean(nll)}
+    return out
+
+
+def copy_scores(model, stream: np.ndarray, seq_len: int, byte_len: np.ndarray, doc: int) -> dict:
+    """BPB of a repeated span after each gap, beside its first occurrence (module doc)."""
+    rng = random.Random(44)
+    spans = [rng.randrange(0, len(stream) - SPAN) for _ in range(COPY_SPANS)]
+    first = token_nll(model, [stream[s:s + SPAN] for s in spans])  # (n, SPAN-1)
+    nbytes = sum(int(byte_len[stream[s + 1:s + SPAN]].sum()) for s in spans)
+    out = {}
+    for gap in copy_gaps(doc):
+        seqs = []
+        for s in spans:
+            f = rng.randrange(0, len(stream) - gap)
+            seqs.append(np.concatenate([stream[s:s + SPAN], stream[f:f + gap], stream[s:s + SPAN]])[-seq_len:])
+        repeat = token_nll(model, seqs)[:, -(SPAN - 1):]
+        out[str(gap)] = {"repeat": repeat.sum() / math.log(2) / nbytes, "first": first.sum() / math.log(2) / nbytes}
+    return out
+
+
+def wallclock(run: Path) -> list[list[float]]:
+    """[training seconds, tokens, held-out BPB] at each validation of the run."""
+    t, curve, last = 0.0, [], 0
+    for row in read_metrics(run):
+        t += (row["tokens"] - last) / row["tokens_per_s"]
+        last = row["tokens"]
+        if "val_bpb" in row:
+            curve.append([t, row["tokens"], row["val_bpb"]])
+    return curve
+
+
+def at_time(curve: list[list[float]], t: float) -> float:
+    """Held-out BPB at training time ``t``, linear between validations (the last one past the end)."""
+    for (t0, _, b0), (t1, _, b1) in zip(curve, curve[1:]):
+        if t0 <= t <= t1:
+            return b0 + (b1 - b0) * (t - t0) / (t1 - t0)
+    return curve[-1][2] if t >= curve[-1][0] else curve[0][2]
+
+
+def probe(run: Path, doc: int = DOC_TOKENS) -> dict:
+    """Every figure of one finished run (cached in RUN/long_context.json)."""
+    cache = run / "long_context.json"
+    if cache.is_file() and json.loads(cache.read_text()).get("version") == [VERSION, doc]:
+        return json.loads(cache.read_text())
+    model, cfg, tok, run_cfg = load_run(run, "cpu")
+    seq_len = int(run_cfg["train"]["seq_len"])
+    byte_len = byte_lengths(tok, cfg.vocab_size)
+    texts = [d.text for d in load_corpus(run_cfg["train"]["data"]).val]
+    stream = encode_documents(tok, texts, DOC_SEP)
+    long_docs = [np.asarray(e.ids[:doc]) for e in tok.encode_batch(texts) if len(e.ids) >= doc]
+    text = DOC_SEP.join(texts)
+    res = {"version": [VERSION, doc], "seq_len": seq_len, "documents": len(long_docs),
+           "val_bpb": json.loads((run / "eval.json").read_text())["val_bpb"],
+           "position": position_bpb(model, long_docs, seq_len, byte_len, doc),
+           "needle": needle_scores(model, tok, text, seq_len, len(text) / len(stream), doc),
+           "copy": copy_scores(model, stream, seq_len, byte_len, doc),
+           "wallclock": wallclock(run)}
+    cache.write_text(json.dumps(res, indent=1, allow_nan=False))
+    return res
+
+
+def interval(gaps: list[float]) -> dict:
+    if len(gaps) < 2:
+        return {"n": len(gaps), "mean": gaps[0] if gaps else None}
+    m, sd = statistics.fmean(gaps), statistics.stdev(gaps)
+    h = t95(len(gaps) - 1) * sd / math.sqrt(len(gaps))
+    return {"n": len(gaps), "mean": m, "sd": sd, "ci95": [m - h, m + h]}
+
+
+def figures(r: dict) -> dict[str, float]:
+    """The flat figures a gap is taken of."""
+    out = {"val_bpb": r["val_bpb"]}
+    out.update({f"position {k}": v for k, v in r["position"].items()})
+    out.update({f"needle {k} nll": v["nll"] for k, v in r["needle"].items()})
+    out.update({f"needle {k} acc": v["acc"] for k, v in r["needle"].items()})
+    out.update({f"copy {k}": v["repeat"] for k, v in r["copy"].items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("name")
+    ap.add_argument("compares", nargs="+", type=Path)
+    ap.add_argument("--label", default="topk-R2", help="the ConceptMoE's label in the compares")
+    ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS, help="the longest context probed (default 2048)")
+    ap.add_argument("--record-dir", type=Path, default=HERE, help="where NAME.json goes (default: beside this script)")
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    runs: dict[int, dict[int, dict[str, dict]]] = {}  # seq_len -> seed -> model -> figures
+    for comp in a.compares:
+        for label in ("moe", a.label):
+            for run in sorted((comp / label).glob("seed*")):
+                if (run / "eval.json").is_file():
+                    r = probe(run, a.doc_tokens)
+                    runs.setdefault(r["seq_len"], {}).setdefault(int(run.name[4:]), {})[label] = r
+                    print(f"{run}: {r['val_bpb']:.4f}", flush=True)
+    record = {"label": a.label, "runs": {str(L): {str(s): m for s, m in sorted(by.items())}
+                                         for L, by in sorted(runs.items())}, "gaps": {}, "wallclock": {}}
+    for L, by in sorted(runs.items()):
+        pairs = {s: m for s, m in by.items() if len(m) == 2}
+        keys = figures(next(iter(pairs.values()))["moe"]) if pairs else {}
+        record["gaps"][str(L)] = {k: interval([figures(m[a.label])[k] - figures(m["moe"])[k]
+                                               for m in pairs.values()]) for k in keys}
+        wc = {}
+        for s, m in pairs.items():
+            ends = {lab: m[lab]["wallclock"][-1][0] for lab in ("moe", a.label)}
+            t = min(ends.values())
+            wc[str(s)] = {"seconds": ends, "at_seconds": t,
+                          "bpb": {lab: at_time(m[lab]["wallclock"], t) for lab in ("moe", a.label)}}
+        record["wallclock"][str(L)] = wc
+        if wc:
+            record["gaps"][str(L)]["equal wall-clock"] = interval(
+                [w["bpb"][a.label] - w["bpb"]["moe"] for w in wc.values()])
+    path = a.record_dir / f"{a.name}.json"
+    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    for L, gaps in record["gaps"].items():
+        print(f"\nseq_len {L}: gap {a.label} - moe")
+        for k, g in gaps.items():
+            ci = f"  95% CI [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if "ci95" in g else ""
+            print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}{ci}" if g["mean"] is not None else f"  {k}: none")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

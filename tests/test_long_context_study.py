@@ -1,0 +1,98 @@
+"""The long-context probes of round 3 (docs/study/round3/long_context.py) on a tiny comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from training_helpers import make_corpus, run_cli
+
+STUDY = Path(__file__).resolve().parent.parent / "docs" / "study" / "round3"
+sys.path.insert(0, str(STUDY))
+import long_context as lc  # noqa: E402
+
+
+def test_buckets_needles_and_gaps_follow_the_longest_context():
+    assert lc.buckets(2048) == [(1, 64), (64, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert lc.needle_lengths(2048) == (512, 1024, 2048)
+    assert lc.copy_gaps(2048) == (64, 1024, 1856)
+    assert lc.buckets(256) == [(1, 64), (64, 256)]
+
+
+def test_reading_a_curve_at_a_time():
+    curve = [[10.0, 100, 3.0], [20.0, 200, 2.0], [40.0, 400, 1.5]]
+    assert lc.at_time(curve, 15.0) == pytest.approx(2.5)
+    assert lc.at_time(curve, 30.0) == pytest.approx(1.75)
+    assert lc.at_time(curve, 99.0) == 1.5 and lc.at_time(curve, 1.0) == 3.0
+
+
+@pytest.mark.slow
+def test_long_context_record_of_a_tiny_comparison(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", n_docs=4, chars=40000)  # held-out tails of ~500 tokens
+    comp = tmp_path / "c128"
+    r = run_cli("compare", "--preset", "tiny", "--data", str(corpus), "--tokens", "4096", "--seq-len", "128",
+                "--batch-size", "2", "--seeds", "0,1", "--out", str(comp), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(STUDY / "long_context.py"), "lc", str(comp), "--doc-tokens", "256",
+                        "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = json.loads((tmp_path / "lc.json").read_text())
+    runs = rec["runs"]["128"]
+    assert sorted(runs) == ["0", "1"] and sorted(runs["0"]) == ["moe", "topk-R2"]
+    for seed, models in runs.items():
+        for label, fig in models.items():
+            assert fig["val_bpb"] == json.loads((comp / label / f"seed{seed}" / "eval.json").read_text())["val_bpb"]
+            assert sorted(fig["position"]) == ["1-64", "64-256"]
+            assert all(0 <= v["acc"] <= 1 and v["nll"] > 0 for v in fig["needle"].values())
+            assert sorted(fig["copy"], key=int) == ["64", "128"]
+            times = [t for t, _, _ in fig["wallclock"]]
+            assert times == sorted(times) and times[0] > 0
+    gaps = rec["gaps"]["128"]
+    want = [runs[s]["topk-R2"]["position"]["64-256"] - runs[s]["moe"]["position"]["64-256"] for s in ("0", "1")]
+    assert gaps["position 64-256"]["mean"] == pytest.approx(np.mean(want))
+    lo, hi = gaps["position 64-256"]["ci95"]
+    assert lo < np.mean(want) < hi
+    wc = rec["wallclock"]["128"]["0"]
+    assert wc["at_seconds"] == min(wc["seconds"].values())
+
+
+@pytest.mark.slow
+def test_position_buckets_add_up_to_the_documents_bpb(tmp_path):
+    """Bytes-weighted over the buckets, the position figures are the BPB of the documents scored
+    in the run's windows, as the training loop's validation scores them (training/validation.py)."""
+    import torch
+
+    from conceptmoe.training.checkpoint import load_run
+    from conceptmoe.data.tokenizer import byte_lengths
+    from conceptmoe.training.validation import evaluate_tokens
+
+    corpus = make_corpus(tmp_path / "corpus", n_docs=2, chars=8000)
+    run = tmp_path / "run"
+    r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--tokens", "1024", "--seq-len", "64",
+                "--batch-size", "2", "--out", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    torch.set_grad_enabled(False)
+    model, cfg, tok, _ = load_run(run, "cpu")
+    byte_len = byte_lengths(tok, cfg.vocab_size)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, cfg.vocab_size, 256) for _ in range(3)]
+    pos = lc.position_bpb(model, docs, 64, byte_len, 256)
+    nll = nbytes = 0.0
+    for d in docs:
+        v = evaluate_tokens(model, d, byte_len, 64)
+        b = float(byte_len[d[1:]].sum())
+        nll += v["val_bpb"] * b
+        nbytes += b
+    total = {k: 0.0 for k in ("nll", "bytes")}
+    for (lo, hi), bpb in zip(lc.buckets(256), pos.values()):
+        b = float(sum(byte_len[d[lo:hi]].sum() for d in docs))
+        total["nll"] += bpb * b
+        total["bytes"] += b
+    assert math.isclose(total["nll"] / total["bytes"], nll / nbytes, rel_tol=1e-6)
