@@ -61,6 +61,12 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
     assert lo < np.mean(want) < hi
     wc = rec["wallclock"]["128"]["0"]
     assert wc["at_seconds"] == min(wc["seconds"].values())
+    # a later machine carries the runs on from the record alone
+    r = subprocess.run([sys.executable, str(STUDY / "long_context.py"), "again", "--keep", str(tmp_path / "lc.json"),
+                        "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["runs"] == rec["runs"] and again["gaps"] == rec["gaps"]
 
 
 @pytest.mark.slow

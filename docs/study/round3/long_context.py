@@ -1,6 +1,6 @@
 """What long context changes, for the MoE and the ConceptMoE of each seed (issue 44, round 3 §2 and §4).
 
-    python docs/study/round3/long_context.py NAME COMPARE_DIR [COMPARE_DIR ...] [--label topk-R2]
+    python docs/study/round3/long_context.py NAME [COMPARE_DIR ...] [--keep RECORD.json ...] [--label topk-R2]
 
 Each COMPARE_DIR is a finished (or partly finished) ``conceptmoe compare`` output; its runs'
 training length (``--seq-len``) comes from their config.json, so the 2048 and the 256 pairs of a
@@ -171,7 +171,7 @@ def probe(run: Path, doc: int = DOC_TOKENS) -> dict:
            "position": position_bpb(model, long_docs, seq_len, byte_len, doc),
            "needle": needle_scores(model, tok, text, seq_len, len(text) / len(stream), doc),
            "copy": copy_scores(model, stream, seq_len, byte_len, doc),
-           "wallclock": wallclock(run)}
+           "wallclock": wallclock(run), "environment": run_cfg.get("environment", {}).get("start")}
     cache.write_text(json.dumps(res, indent=1, allow_nan=False))
     return res
 
@@ -197,13 +197,20 @@ def figures(r: dict) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name")
-    ap.add_argument("compares", nargs="+", type=Path)
+    ap.add_argument("compares", nargs="*", type=Path)
     ap.add_argument("--label", default="topk-R2", help="the ConceptMoE's label in the compares")
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS, help="the longest context probed (default 2048)")
     ap.add_argument("--record-dir", type=Path, default=HERE, help="where NAME.json goes (default: beside this script)")
+    ap.add_argument("--keep", type=Path, action="append", default=[],
+                    help="an earlier record whose runs count too (runs whose directories are gone); a run found "
+                         "again here replaces its kept figures")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     runs: dict[int, dict[int, dict[str, dict]]] = {}  # seq_len -> seed -> model -> figures
+    for kept in a.keep:
+        for L, by in json.loads(kept.read_text())["runs"].items():
+            for s, models in by.items():
+                runs.setdefault(int(L), {}).setdefault(int(s), {}).update(models)
     for comp in a.compares:
         for label in ("moe", a.label):
             for run in sorted((comp / label).glob("seed*")):
