@@ -136,7 +136,48 @@ def elastic() -> str:
     return "\n".join([head, *rows])
 
 
-TABLES = {"quality": quality, "latency": latency, "serving": serving, "elastic": elastic}
+LONG = "study/round3/long-context.json"
+
+
+def long_context() -> str:
+    """Round 3's long-context pairs: what training at 2048 changes, figure by figure."""
+    head = ("| at 2.4M tokens (`python-stdlib`, fp32) | trained at | seeds | MoE | ConceptMoE | paired gap | "
+            "95% interval | answer |\n|---|---|---|---|---|---|---|---|")
+    rec = _load(LONG)
+    spec = importlib.util.spec_from_file_location("round3_long_context", DOCS / "study/round3/long_context.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    figures = mod.figures  # the flat figures of one run, as the record's gaps take them
+    rows = []
+    names = {"val_bpb": "held-out BPB", "position 1-64": "BPB at positions 1-64 of a document",
+             "position 1024-2048": "BPB at positions 1024-2048", "needle 2048 acc": "needle at 2K: accuracy (chance 0.25)",
+             "copy 64 gain": "copy gain, span 64 tokens back", "copy 1856 gain": "copy gain, span 1856 tokens back"}
+    for L, by in sorted(rec["runs"].items(), key=lambda kv: -int(kv[0])):
+        pairs = {s: m for s, m in by.items() if len(m) == 2}
+        if not pairs:
+            continue
+        fig = {s: {lab: figures(m[lab]) for lab in m} for s, m in pairs.items()}
+        keys = list(names) if L == "2048" else ["val_bpb", "position 1024-2048"]
+        for k in keys:
+            moe = {s: f["moe"][k] for s, f in fig.items()}
+            cm = {s: f[rec["label"]][k] for s, f in fig.items()}
+            res = interval([cm[s] - moe[s] for s in moe])
+            answer = "higher is better" if k.endswith(("acc", "gain")) else res["verdict"]
+            rows.append(f"| {names[k]} | {L} | {len(moe)} | {statistics.fmean(moe.values()):.4f} | "
+                        f"{statistics.fmean(cm.values()):.4f} | {res['mean']:+.4f} | {_ci(res)} | {answer} |")
+        wc = rec["wallclock"].get(L, {})
+        if wc:
+            g = [w["bpb"][rec["label"]] - w["bpb"]["moe"] for w in wc.values()]
+            res = interval(g)
+            speed = statistics.fmean(w["seconds"]["moe"] / w["seconds"][rec["label"]] for w in wc.values())
+            rows.append(f"| BPB at equal training time (ConceptMoE trains {speed:.2f}× as fast) | {L} | {len(g)} | "
+                        f"{statistics.fmean(w['bpb']['moe'] for w in wc.values()):.4f} | "
+                        f"{statistics.fmean(w['bpb'][rec['label']] for w in wc.values()):.4f} | {res['mean']:+.4f} | "
+                        f"{_ci(res)} | {res['verdict']} |")
+    return "\n".join([head, *rows])
+
+
+TABLES = {"quality": quality, "latency": latency, "serving": serving, "elastic": elastic, "long": long_context}
 
 
 def block(name: str) -> re.Pattern:

@@ -52,6 +52,7 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
             assert sorted(fig["position"]) == ["1-64", "64-256"]
             assert all(0 <= v["acc"] <= 1 and v["nll"] > 0 for v in fig["needle"].values())
             assert sorted(fig["copy"], key=int) == ["64", "128"]
+            assert all(v["gain"] == pytest.approx(v["control"] - v["repeat"]) for v in fig["copy"].values())
             times = [t for t, _, _ in fig["wallclock"]]
             assert times == sorted(times) and times[0] > 0
     gaps = rec["gaps"]["128"]
@@ -59,6 +60,7 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
     assert gaps["position 64-256"]["mean"] == pytest.approx(np.mean(want))
     lo, hi = gaps["position 64-256"]["ci95"]
     assert lo < np.mean(want) < hi
+    assert "| position 64-256 |" in (tmp_path / "lc.md").read_text()
     wc = rec["wallclock"]["128"]["0"]
     assert wc["at_seconds"] == min(wc["seconds"].values())
     # a later machine carries the runs on from the record alone

@@ -18,14 +18,17 @@ seen in training, nothing tuned on it):
   needle: its figure is the chance control). ``acc`` (chance 0.25) and ``nll``: the mean
   nats of the right word.
 - ``copy``: a 64-token held-out span, then ``gap`` tokens of other held-out text, then the span
-  again; BPB of the repeat (its first token left out) scored in the last ``seq_len`` tokens, beside
-  the BPB of the same tokens without the first occurrence (``first``). Gaps 64, 1024 and 1856.
+  again; BPB of the repeat (its first token left out) scored in the last ``seq_len`` tokens
+  (``repeat``), beside the same tokens after the same filler with another span first
+  (``control``); ``gain`` = control - repeat, what the first occurrence is worth. Gaps 64, 1024
+  and 1856 (a 256 run sees the first occurrence only at gap 64).
 - ``wallclock``: held-out BPB against training time (the sum of the measured step times of
   metrics.jsonl, validation excluded) and the BPB of each model at the time the faster model ended.
 
 Per-run figures are cached in RUN/long_context.json (remove it to measure again). The record
 docs/study/round3/NAME.json holds every run's figures and, per training length, the paired gaps
-ConceptMoE - MoE per seed with their mean and Student-t 95% interval.
+ConceptMoE - MoE per seed with their mean and Student-t 95% interval (interval.py); NAME.md is
+the same as tables.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from interval import t95  # noqa: E402
+from interval import interval as paired  # noqa: E402
 
 from conceptmoe.data.corpus import DOC_SEP, load_corpus  # noqa: E402
 from conceptmoe.data.tokenizer import byte_lengths, encode_documents  # noqa: E402
@@ -52,7 +55,7 @@ from conceptmoe.harness.tasks import niah_docs  # noqa: E402
 from conceptmoe.training.checkpoint import load_run, read_metrics  # noqa: E402
 from conceptmoe.training.validation import windows  # noqa: E402
 
-VERSION = 1  # of the probes: a cached long_context.json of another version is measured again
+VERSION = 2  # of the probes: a cached long_context.json of another version is measured again
 DOC_TOKENS = 2048  # --doc-tokens: the longest context probed (smaller only to test the script)
 NEEDLE_DOCS = 24
 SPAN, COPY_SPANS = 64, 32
@@ -119,19 +122,21 @@ def needle_scores(model, tok, text: str, seq_len: int, chars_per_token: float, d
 
 
 def copy_scores(model, stream: np.ndarray, seq_len: int, byte_len: np.ndarray, doc: int) -> dict:
-    """BPB of a repeated span after each gap, beside its first occurrence (module doc)."""
+    """BPB of a repeated span after each gap (``repeat``), beside the same tokens after the same
+    filler with another span in the first place (``control``); ``gain`` = control - repeat."""
     rng = random.Random(44)
     spans = [rng.randrange(0, len(stream) - SPAN) for _ in range(COPY_SPANS)]
-    first = token_nll(model, [stream[s:s + SPAN] for s in spans])  # (n, SPAN-1)
+    others = [rng.randrange(0, len(stream) - SPAN) for _ in range(COPY_SPANS)]
     nbytes = sum(int(byte_len[stream[s + 1:s + SPAN]].sum()) for s in spans)
     out = {}
     for gap in copy_gaps(doc):
-        seqs = []
-        for s in spans:
-            f = rng.randrange(0, len(stream) - gap)
-            seqs.append(np.concatenate([stream[s:s + SPAN], stream[f:f + gap], stream[s:s + SPAN]])[-seq_len:])
-        repeat = token_nll(model, seqs)[:, -(SPAN - 1):]
-        out[str(gap)] = {"repeat": repeat.sum() / math.log(2) / nbytes, "first": first.sum() / math.log(2) / nbytes}
+        fills = [rng.randrange(0, len(stream) - gap) for _ in spans]
+        bpb = {}
+        for kind, heads in (("repeat", spans), ("control", others)):
+            seqs = [np.concatenate([stream[h:h + SPAN], stream[f:f + gap], stream[s:s + SPAN]])[-seq_len:]
+                    for h, f, s in zip(heads, fills, spans)]
+            bpb[kind] = token_nll(model, seqs)[:, -(SPAN - 1):].sum() / math.log(2) / nbytes
+        out[str(gap)] = {**bpb, "gain": bpb["control"] - bpb["repeat"]}
     return out
 
 
@@ -176,12 +181,12 @@ def probe(run: Path, doc: int = DOC_TOKENS) -> dict:
     return res
 
 
-def interval(gaps: list[float]) -> dict:
-    if len(gaps) < 2:
-        return {"n": len(gaps), "mean": gaps[0] if gaps else None}
-    m, sd = statistics.fmean(gaps), statistics.stdev(gaps)
-    h = t95(len(gaps) - 1) * sd / math.sqrt(len(gaps))
-    return {"n": len(gaps), "mean": m, "sd": sd, "ci95": [m - h, m + h]}
+def gap(gaps: list[float], key: str = "") -> dict:
+    """interval.py's paired interval; its verdict reads lower as better, so an accuracy or a gain has none."""
+    res = paired(gaps)
+    if key.endswith(("acc", "gain")):
+        res["verdict"] = "higher is better: no verdict"
+    return res
 
 
 def figures(r: dict) -> dict[str, float]:
@@ -191,7 +196,29 @@ def figures(r: dict) -> dict[str, float]:
     out.update({f"needle {k} nll": v["nll"] for k, v in r["needle"].items()})
     out.update({f"needle {k} acc": v["acc"] for k, v in r["needle"].items()})
     out.update({f"copy {k}": v["repeat"] for k, v in r["copy"].items()})
+    out.update({f"copy {k} gain": v["gain"] for k, v in r["copy"].items()})
     return out
+
+
+def markdown(record: dict) -> str:
+    """Every figure of the record: per training length, the models' means over paired seeds and the gap."""
+    lab, out = record["label"], []
+    for L, gaps in record["gaps"].items():
+        pairs = [m for m in record["runs"][L].values() if len(m) == 2]
+        wc = list(record["wallclock"][L].values())
+        out += [f"### Trained at {L} tokens per sequence ({len(pairs)} paired seeds)", "",
+                f"| figure | MoE | {lab} | paired gap | 95% interval | answer |", "|---|---|---|---|---|---|"]
+        for k, g in gaps.items():
+            if k == "equal wall-clock":
+                moe = statistics.fmean(w["bpb"]["moe"] for w in wc)
+                cm = statistics.fmean(w["bpb"][lab] for w in wc)
+            else:
+                moe = statistics.fmean(figures(m["moe"])[k] for m in pairs)
+                cm = statistics.fmean(figures(m[lab])[k] for m in pairs)
+            ci = f"[{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else "-"
+            out.append(f"| {k} | {moe:.4f} | {cm:.4f} | {g['mean']:+.4f} | {ci} | {g['verdict']} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -223,8 +250,8 @@ def main() -> None:
     for L, by in sorted(runs.items()):
         pairs = {s: m for s, m in by.items() if len(m) == 2}
         keys = figures(next(iter(pairs.values()))["moe"]) if pairs else {}
-        record["gaps"][str(L)] = {k: interval([figures(m[a.label])[k] - figures(m["moe"])[k]
-                                               for m in pairs.values()]) for k in keys}
+        record["gaps"][str(L)] = {k: gap([figures(m[a.label])[k] - figures(m["moe"])[k] for m in pairs.values()], k)
+                                  for k in keys}
         wc = {}
         for s, m in pairs.items():
             ends = {lab: m[lab]["wallclock"][-1][0] for lab in ("moe", a.label)}
@@ -233,15 +260,15 @@ def main() -> None:
                           "bpb": {lab: at_time(m[lab]["wallclock"], t) for lab in ("moe", a.label)}}
         record["wallclock"][str(L)] = wc
         if wc:
-            record["gaps"][str(L)]["equal wall-clock"] = interval(
-                [w["bpb"][a.label] - w["bpb"]["moe"] for w in wc.values()])
+            record["gaps"][str(L)]["equal wall-clock"] = gap([w["bpb"][a.label] - w["bpb"]["moe"] for w in wc.values()])
     path = a.record_dir / f"{a.name}.json"
     path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    path.with_suffix(".md").write_text(markdown(record))
     for L, gaps in record["gaps"].items():
         print(f"\nseq_len {L}: gap {a.label} - moe")
         for k, g in gaps.items():
-            ci = f"  95% CI [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if "ci95" in g else ""
-            print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}{ci}" if g["mean"] is not None else f"  {k}: none")
+            ci = f"  95% CI [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else ""
+            print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}{ci}  {g['verdict']}")
     print(f"wrote {path}")
 
 
