@@ -83,3 +83,11 @@ def test_ct_split(moe, tmp_path, capsys):
     assert "--init" in capsys.readouterr().err and not (tmp_path / "y").exists()
     assert main(["compare", "--init", str(moe), "--split", "2+x+1", "--out", str(tmp_path / "z")]) == 2
     assert "--split must read E+C+D" in capsys.readouterr().err
+
+
+def test_ct_log_watches_each_run_and_is_not_a_setting(moe, tmp_path):
+    out = continual_compare(CTConfig(init=str(moe), out=str(tmp_path / "ct"), log="jsonl",
+                                     **{**SETTINGS, "variants": ["topk"]}))
+    for label in ("moe", "R2-topk"):
+        assert json.loads((out / label / "config.json").read_text())["train"]["log"] == "jsonl"
+    assert "log" not in CTConfig(init=str(moe), log="jsonl", **SETTINGS).settings()

@@ -176,3 +176,23 @@ def test_elastic_run_reports_compression_per_ratio(corpus, tmp_path):
     assert set(by) == {"1.5", "3"} and by["1.5"] < by["3"]  # each row trained towards its own R
     # the per-ratio figures split the interval's boundaries and positions: the total lies between them
     assert min(by.values()) < h["compression"] < max(by.values())
+
+
+def test_compare_watches_every_run_and_keeps_its_settings(corpus, tmp_path):
+    """compare --log passes the watching to each run; it is not a setting of the comparison, so a
+    comparison started without it resumes or reruns with it as the same comparison."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--preset", "tiny", "--data", str(corpus), "--tokens", "256", "--batch-size", "2",
+            "--seq-len", "32", "--seeds", "0", "--out", str(out)]
+    r = run_cli(*args, "--log", "jsonl", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for label in ("moe", "topk-R2"):
+        run = out / label / "seed0"
+        assert json.loads((run / "config.json").read_text())["train"]["log"] == "jsonl"
+        assert any("mfu" in row for row in ck.read_metrics(run)), label
+    assert "log" not in json.loads((out / "compare.json").read_text())
+    assert "log" not in (out / "recipe.toml").read_text()
+    r = run_cli(*args, timeout=300)  # the same comparison without --log: nothing retrained, no refusal
+    assert r.returncode == 0 and "report written" in r.stdout, r.stderr[-2000:]
+    r = run_cli(*args, "--log", "wandb", timeout=60)
+    assert r.returncode != 0 and "invalid choice: 'wandb'" in r.stderr

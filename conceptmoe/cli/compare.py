@@ -10,6 +10,7 @@ import argparse
 
 from ..errors import UserError
 from ..evaluation.compare import CompareConfig, compare, load_variants, plan
+from ..training.config import LOG_MODES
 from ..training.recipe import render, render_compare
 from .args import common_model_flags, finite_float
 from .recipe import add_recipe_flags, compare_file, overrides
@@ -62,6 +63,9 @@ def register(sub) -> None:
                    help="train up to N runs at once, one process each: cores / N torch threads each (or "
                         "OMP_NUM_THREADS), one GPU each on a multi-GPU machine; a run's output goes to "
                         "--out/logs/ (default 1: one after another, output here)")
+    p.add_argument("--log", choices=LOG_MODES,
+                   help="watch every run as `train --log` does: jsonl (health, MFU, warnings in each run's "
+                        "metrics.jsonl) or tensorboard (also RUN/tensorboard/); default off")
     add_recipe_flags(p, "compare")
     p.set_defaults(func=cmd_compare)
 
@@ -81,7 +85,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         given["overrides"] = overrides(args, args.file_overrides)
     if args.variants is not None:  # a JSON file (--variants), or a recipe's [variants] tables
         given["variants"] = load_variants(args.variants) if isinstance(args.variants, str) else args.variants
-    cc = CompareConfig(**given, ablations=args.ablations, force=args.force, jobs=_jobs(args))
+    cc = CompareConfig(**given, ablations=args.ablations, force=args.force, jobs=_jobs(args), log=args.log)
     if args.print_config:
         print(render_compare(cc.to_dict(), plan(cc)), end="")
         return 0
@@ -114,7 +118,8 @@ def _cmd_compare_ct(args: argparse.Namespace) -> int:
         print(render({k: v for k, v in ct.items() if k != "out"}), end="")
         return 0
     variants = [{"topk": "topk", "loop": "loop2"}[s] for s in strategies]
-    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, jobs=_jobs(args), **given))
+    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, jobs=_jobs(args),
+                                     log=args.log, **given))
     print((out / "report.md").read_text())
     print(f"report written to {out}/report.md, report.json and curves.png")
     return 0

@@ -66,6 +66,7 @@ class CompareConfig:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> VARIANT_KEYS (--variants FILE)
     force: bool = False
     jobs: int = 1  # runs trained at once (training/jobs.py); not a setting of the comparison
+    log: str | None = None  # --log of every run (training/config.py LOG_MODES); not a setting either
     experts_multiple_of: int = 1  # the ConceptMoEs' concept experts a multiple of this (model/match.py)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,7 @@ class CompareConfig:
         d = dataclasses.asdict(self)
         d.pop("force")
         d.pop("jobs")
+        d.pop("log")
         if d["experts_multiple_of"] == 1:  # a comparison's record stays as it was before the flag
             del d["experts_multiple_of"]
         return d
@@ -210,7 +212,7 @@ def compare(cc: CompareConfig) -> Path:
                     continue  # finished earlier with the same settings (checked by _claim)
                 resume = ck.latest_checkpoint(run) is not None  # else: (re)start, ours to replace
                 todo.append(TrainJob(f"{label} seed {seed}", _run_config(tc, seed, run, tok_path, resume,
-                                                                         force=not resume),
+                                                                         force=not resume, log=cc.log),
                                      out / "logs" / f"{label}-seed{seed}.log"))
         train_runs(todo, cc.jobs)
         report = build_report(cc, models)
@@ -253,8 +255,9 @@ def _compare_vlm(cc, models: list[tuple[str, TrainConfig]]) -> Path:
 
 
 def _run_config(tc: TrainConfig, seed: int, run: Path, tok_path: Path, resume: bool = False,
-                force: bool = False) -> TrainConfig:
-    return dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path), resume=resume, force=force)
+                force: bool = False, log: str | None = None) -> TrainConfig:
+    return dataclasses.replace(tc, seed=seed, out=str(run), tokenizer=str(tok_path), resume=resume, force=force,
+                               log=log)
 
 
 def _claim(out: Path, cc: CompareConfig, models: list[tuple[str, TrainConfig]]) -> Path:

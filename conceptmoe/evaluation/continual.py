@@ -63,6 +63,7 @@ class CTConfig:
     force: bool = False
     progress: bool = True
     jobs: int = 1  # runs trained at once (training/jobs.py)
+    log: str | None = None  # --log of every run (training/config.py LOG_MODES)
 
     def __post_init__(self) -> None:
         bad = [v for v in self.variants if v not in VARIANTS]
@@ -86,7 +87,7 @@ class CTConfig:
 
     def settings(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for transient in ("force", "progress", "device", "dtype", "out", "jobs"):
+        for transient in ("force", "progress", "device", "dtype", "out", "jobs", "log"):
             d.pop(transient)
         return d
 
@@ -150,7 +151,7 @@ def continual_compare(cc: CTConfig) -> Path:
                                  batch_size=cc.batch_size, seq_len=cc.seq_len, lr=cc.lr,
                                  chunk_lr_mult=cc.chunk_lr_mult, eval_every=cc.eval_every, device=cc.device,
                                  dtype=cc.dtype, eval_tokens=cc.val_tokens, val_tokens=cc.val_tokens,
-                                 resume=resume, force=not resume, progress=cc.progress)
+                                 resume=resume, force=not resume, progress=cc.progress, log=cc.log)
                 todo.append(TrainJob(f"CT {label}", tc, out / "logs" / f"{label}.log"))
         train_runs(todo, cc.jobs)
         starts = {label: _start_bpb(init, out / label) for label, init in inits.items()}
