@@ -91,3 +91,19 @@ def test_ct_log_watches_each_run_and_is_not_a_setting(moe, tmp_path):
     for label in ("moe", "R2-topk"):
         assert json.loads((out / label / "config.json").read_text())["train"]["log"] == "jsonl"
     assert "log" not in CTConfig(init=str(moe), log="jsonl", **SETTINGS).settings()
+
+
+def test_ct_writes_a_recipe_that_reruns_it(moe, tmp_path, capsys):
+    out = tmp_path / "ct"
+    flags = ["--tokens", "384", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--strategies", "loop",
+             "--ratios", "1.5", "--device", "cpu", "--set", "ratio_loss_weight=0.05"]
+    assert main(["compare", "--init", str(moe), *flags, "--out", str(out)]) == 0
+    written = (out / "recipe.toml").read_text()
+    assert 'strategies = ["loop"]' in written and "ratios = [1.5]" in written and 'split = "' in written
+    assert "[set]" in written and "ratio_loss_weight = 0.05" in written and str(moe.resolve()) in written
+    capsys.readouterr()
+    assert main(["compare", "--init", str(moe), *flags, "--print-config"]) == 0
+    assert capsys.readouterr().out == written  # what --print-config shows is what the comparison keeps
+    done = (out / "R1.5-loop2" / "eval.json").stat().st_mtime_ns
+    assert main(["compare", "--config", str(out / "recipe.toml"), "--out", str(out)]) == 0  # the same comparison
+    assert (out / "R1.5-loop2" / "eval.json").stat().st_mtime_ns == done

@@ -11,7 +11,7 @@ import argparse
 from ..errors import UserError
 from ..evaluation.compare import CompareConfig, compare, load_variants, plan
 from ..training.config import LOG_MODES
-from ..training.recipe import render, render_compare
+from ..training.recipe import render_compare
 from .args import common_model_flags, finite_float
 from .recipe import add_recipe_flags, compare_file, overrides
 
@@ -113,13 +113,12 @@ def _cmd_compare_ct(args: argparse.Namespace) -> int:
         given["seed"] = args.seeds[0]
     if overrides(args, args.file_overrides) is not None:
         given["overrides"] = overrides(args, args.file_overrides)
-    if args.print_config:  # the flags as given, with the mode's defaults
-        ct = {"init": args.init, "strategies": strategies, "seeds": args.seeds or [0], **given}
-        print(render({k: v for k, v in ct.items() if k != "out"}), end="")
-        return 0
     variants = [{"topk": "topk", "loop": "loop2"}[s] for s in strategies]
-    out = continual_compare(CTConfig(init=args.init, variants=variants, force=args.force, jobs=_jobs(args),
-                                     log=args.log, **given))
+    ct = CTConfig(init=args.init, variants=variants, force=args.force, jobs=_jobs(args), log=args.log, **given)
+    if args.print_config:  # the comparison resolved, as its recipe.toml will hold it
+        print(ct.recipe_text(), end="")
+        return 0
+    out = continual_compare(ct)
     print((out / "report.md").read_text())
     print(f"report written to {out}/report.md, report.json and curves.png")
     return 0

@@ -31,6 +31,7 @@ from ..files import replacing, write_text
 from ..model.flops import count_flops
 from ..training import checkpoint as ck
 from ..training.config import TrainConfig
+from ..training.recipe import render
 from ..data.corpus import DOC_SEP, load_corpus
 from ..training.validation import evaluate_tokens
 from ..lock import RunLock, holds_only_lock
@@ -85,6 +86,22 @@ class CTConfig:
         if self.eval_every is None:
             self.eval_every = max(1, -(-self.tokens // (self.batch_size * self.seq_len)) // 4)
 
+    def recipe(self) -> dict[str, Any]:
+        """The comparison as `compare --config` reads it (flag names; [set] for the overrides)."""
+        strategies = {"topk": "topk", "loop2": "loop"}
+        d = {"init": self.init, "strategies": [strategies[v] for v in self.variants], "seeds": [self.seed],
+             "ratios": self.ratios, "tokens": self.tokens, "batch_size": self.batch_size, "seq_len": self.seq_len,
+             "lr": self.lr, "chunk_lr_mult": self.chunk_lr_mult, "split": self.split, "device": self.device}
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        if self.overrides:
+            d["set"] = dict(self.overrides)
+        return d
+
+    def recipe_text(self) -> str:
+        return render(self.recipe(), ["conceptmoe compare --init recipe; rerun: conceptmoe compare --config FILE "
+                                      "--out NEW"])
+
     def settings(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         for transient in ("force", "progress", "device", "dtype", "out", "jobs", "log"):
@@ -136,6 +153,7 @@ def continual_compare(cc: CTConfig) -> Path:
     data = (src_cfg.get("train") or {}).get("data")
     with RunLock(out):
         _claim(out, cc)
+        write_text(out / "recipe.toml", cc.recipe_text())  # compare --config reruns it
         inits, todo = {}, []
         for label, conv in plan(cc):
             init = Path(cc.init)
