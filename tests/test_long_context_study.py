@@ -39,8 +39,12 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
     r = run_cli("compare", "--preset", "tiny", "--data", str(corpus), "--tokens", "4096", "--seq-len", "128",
                 "--batch-size", "2", "--seeds", "0,1", "--out", str(comp), timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("bench", "train", "--preset", "tiny", "--seq-lens", "128", "--repeats", "1", "--threads", "1",
+                "--dtype", "fp32", "--out", str(tmp_path / "speed"), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([sys.executable, str(STUDY / "long_context.py"), "lc", str(comp), "--doc-tokens", "256",
-                        "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                        "--record-dir", str(tmp_path), "--speed", str(tmp_path / "speed" / "train.json")],
+                       capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads((tmp_path / "lc.json").read_text())
@@ -63,6 +67,10 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
     assert "| position 64-256 |" in (tmp_path / "lc.md").read_text()
     wc = rec["wallclock"]["128"]["0"]
     assert wc["at_seconds"] == min(wc["seconds"].values())
+    bench = wc["bench"]  # the faster model's whole budget; the slower one read at tokens / speed
+    speed = max(bench["speed"], 1 / bench["speed"])
+    assert sorted(bench["tokens"].values()) == pytest.approx(sorted([4096 / speed, 4096]))
+    assert "equal wall-clock (bench)" in gaps
     # a later machine carries the runs on from the record alone
     r = subprocess.run([sys.executable, str(STUDY / "long_context.py"), "again", "--keep", str(tmp_path / "lc.json"),
                         "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)

@@ -23,7 +23,9 @@ seen in training, nothing tuned on it):
   (``control``); ``gain`` = control - repeat, what the first occurrence is worth. Gaps 64, 1024
   and 1856 (a 256 run sees the first occurrence only at gap 64).
 - ``wallclock``: held-out BPB against training time (the sum of the measured step times of
-  metrics.jsonl, validation excluded) and the BPB of each model at the time the faster model ended.
+  metrics.jsonl, validation excluded) and the BPB of each model at the time the faster model ended;
+  with ``--speed train.json`` (``conceptmoe bench train``, both models timed interleaved on a quiet
+  machine) also at that measured speed ratio: the slower model read at tokens / ratio.
 
 Per-run figures are cached in RUN/long_context.json (remove it to measure again). The record
 docs/study/round3/NAME.json holds every run's figures and, per training length, the paired gaps
@@ -151,12 +153,21 @@ def wallclock(run: Path) -> list[list[float]]:
     return curve
 
 
-def at_time(curve: list[list[float]], t: float) -> float:
-    """Held-out BPB at training time ``t``, linear between validations (the last one past the end)."""
-    for (t0, _, b0), (t1, _, b1) in zip(curve, curve[1:]):
-        if t0 <= t <= t1:
-            return b0 + (b1 - b0) * (t - t0) / (t1 - t0)
-    return curve[-1][2] if t >= curve[-1][0] else curve[0][2]
+def at_time(curve: list[list[float]], t: float, col: int = 0) -> float:
+    """Held-out BPB at training time ``t`` (``col`` 1: at ``t`` tokens), linear between validations
+    (the last one past the end)."""
+    for a, b in zip(curve, curve[1:]):
+        if a[col] <= t <= b[col]:
+            return a[2] + (b[2] - a[2]) * (t - a[col]) / (b[col] - a[col])
+    return curve[-1][2] if t >= curve[-1][col] else curve[0][2]
+
+
+def bench_speed(path: Path, seq_len: int) -> float | None:
+    """The ConceptMoE's training tokens/s over the MoE's at ``seq_len`` in a `bench train` train.json
+    (fp32, both models timed interleaved on a quiet machine), or None when it has no such row."""
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["seq_len"] == seq_len and r["dtype"] == "fp32"]
+    cm = [r for r in rows if r["model"] != "MoE"]
+    return cm[0]["ratio_vs_moe"] if cm else None
 
 
 def probe(run: Path, doc: int = DOC_TOKENS) -> dict:
@@ -209,9 +220,10 @@ def markdown(record: dict) -> str:
         out += [f"### Trained at {L} tokens per sequence ({len(pairs)} paired seeds)", "",
                 f"| figure | MoE | {lab} | paired gap | 95% interval | answer |", "|---|---|---|---|---|---|"]
         for k, g in gaps.items():
-            if k == "equal wall-clock":
-                moe = statistics.fmean(w["bpb"]["moe"] for w in wc)
-                cm = statistics.fmean(w["bpb"][lab] for w in wc)
+            if k.startswith("equal wall-clock"):
+                pick = (lambda w: w["bench"]) if k.endswith("(bench)") else (lambda w: w)
+                moe = statistics.fmean(pick(w)["bpb"]["moe"] for w in wc)
+                cm = statistics.fmean(pick(w)["bpb"][lab] for w in wc)
             else:
                 moe = statistics.fmean(figures(m["moe"])[k] for m in pairs)
                 cm = statistics.fmean(figures(m[lab])[k] for m in pairs)
@@ -228,13 +240,17 @@ def main() -> None:
     ap.add_argument("--label", default="topk-R2", help="the ConceptMoE's label in the compares")
     ap.add_argument("--doc-tokens", type=int, default=DOC_TOKENS, help="the longest context probed (default 2048)")
     ap.add_argument("--record-dir", type=Path, default=HERE, help="where NAME.json goes (default: beside this script)")
+    ap.add_argument("--speed", type=Path, help="a `conceptmoe bench train` train.json: equal time also at its "
+                                               "measured speed ratio (the runs' own step times share a busy machine)")
     ap.add_argument("--keep", type=Path, action="append", default=[],
                     help="an earlier record whose runs count too (runs whose directories are gone); a run found "
                          "again here replaces its kept figures")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     runs: dict[int, dict[int, dict[str, dict]]] = {}  # seq_len -> seed -> model -> figures
+    speeds: dict[str, float] = {}  # seq_len -> the ConceptMoE's bench speed over the MoE's
     for kept in a.keep:
+        speeds.update(json.loads(kept.read_text()).get("bench_speed", {}))
         for L, by in json.loads(kept.read_text())["runs"].items():
             for s, models in by.items():
                 runs.setdefault(int(L), {}).setdefault(int(s), {}).update(models)
@@ -246,7 +262,8 @@ def main() -> None:
                     runs.setdefault(r["seq_len"], {}).setdefault(int(run.name[4:]), {})[label] = r
                     print(f"{run}: {r['val_bpb']:.4f}", flush=True)
     record = {"label": a.label, "runs": {str(L): {str(s): m for s, m in sorted(by.items())}
-                                         for L, by in sorted(runs.items())}, "gaps": {}, "wallclock": {}}
+                                         for L, by in sorted(runs.items())}, "gaps": {}, "wallclock": {},
+              "bench_speed": speeds}
     for L, by in sorted(runs.items()):
         pairs = {s: m for s, m in by.items() if len(m) == 2}
         keys = figures(next(iter(pairs.values()))["moe"]) if pairs else {}
@@ -258,9 +275,22 @@ def main() -> None:
             t = min(ends.values())
             wc[str(s)] = {"seconds": ends, "at_seconds": t,
                           "bpb": {lab: at_time(m[lab]["wallclock"], t) for lab in ("moe", a.label)}}
+        if a.speed and bench_speed(a.speed, L) is not None:
+            speeds[str(L)] = bench_speed(a.speed, L)
+        speed = speeds.get(str(L))
+        if speed is not None:  # the faster model's whole budget against the slower one's curve at the same time
+            for s, m in pairs.items():
+                fast, slow = (a.label, "moe") if speed >= 1 else ("moe", a.label)
+                end = m[fast]["wallclock"][-1][1]
+                wc[str(s)]["bench"] = {"speed": speed, "tokens": {fast: end, slow: end / max(speed, 1 / speed)},
+                                       "bpb": {fast: m[fast]["wallclock"][-1][2],
+                                               slow: at_time(m[slow]["wallclock"], end / max(speed, 1 / speed), 1)}}
         record["wallclock"][str(L)] = wc
         if wc:
             record["gaps"][str(L)]["equal wall-clock"] = gap([w["bpb"][a.label] - w["bpb"]["moe"] for w in wc.values()])
+        if speed is not None:
+            record["gaps"][str(L)]["equal wall-clock (bench)"] = gap(
+                [w["bench"]["bpb"][a.label] - w["bench"]["bpb"]["moe"] for w in wc.values()])
     path = a.record_dir / f"{a.name}.json"
     path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
     path.with_suffix(".md").write_text(markdown(record))
