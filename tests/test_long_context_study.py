@@ -83,8 +83,6 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
 def test_position_buckets_add_up_to_the_documents_bpb(tmp_path):
     """Bytes-weighted over the buckets, the position figures are the BPB of the documents scored
     in the run's windows, as the training loop's validation scores them (training/validation.py)."""
-    import torch
-
     from conceptmoe.training.checkpoint import load_run
     from conceptmoe.data.tokenizer import byte_lengths
     from conceptmoe.training.validation import evaluate_tokens
@@ -94,7 +92,6 @@ def test_position_buckets_add_up_to_the_documents_bpb(tmp_path):
     r = run_cli("train", "--preset", "tiny", "--data", str(corpus), "--tokens", "1024", "--seq-len", "64",
                 "--batch-size", "2", "--out", str(run), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    torch.set_grad_enabled(False)
     model, cfg, tok, _ = load_run(run, "cpu")
     byte_len = byte_lengths(tok, cfg.vocab_size)
     rng = np.random.default_rng(0)
