@@ -51,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from interval import interval as paired  # noqa: E402
 
-from conceptmoe.data.corpus import DOC_SEP, load_corpus  # noqa: E402
+from conceptmoe.data.corpus import DOC_SEP, check_record, load_corpus  # noqa: E402
 from conceptmoe.data.tokenizer import byte_lengths, encode_documents  # noqa: E402
 from conceptmoe.harness.tasks import niah_docs  # noqa: E402
 from conceptmoe.training.checkpoint import load_run, read_metrics  # noqa: E402
@@ -173,12 +173,15 @@ def bench_speed(path: Path, seq_len: int) -> float | None:
 def probe(run: Path, doc: int = DOC_TOKENS) -> dict:
     """Every figure of one finished run (cached in RUN/long_context.json)."""
     cache = run / "long_context.json"
-    if cache.is_file() and json.loads(cache.read_text()).get("version") == [VERSION, doc]:
-        return json.loads(cache.read_text())
+    cached = json.loads(cache.read_text()) if cache.is_file() else {}
+    if cached.get("version") == [VERSION, doc]:
+        return cached
     model, cfg, tok, run_cfg = load_run(run, "cpu")
     seq_len = int(run_cfg["train"]["seq_len"])
     byte_len = byte_lengths(tok, cfg.vocab_size)
-    texts = [d.text for d in load_corpus(run_cfg["train"]["data"]).val]
+    corpus = load_corpus(run_cfg["train"]["data"])
+    check_record(run_cfg.get("data"), corpus.record())  # the held-out split the run was trained beside
+    texts = [d.text for d in corpus.val]
     stream = encode_documents(tok, texts, DOC_SEP)
     long_docs = [np.asarray(e.ids[:doc]) for e in tok.encode_batch(texts) if len(e.ids) >= doc]
     text = DOC_SEP.join(texts)
