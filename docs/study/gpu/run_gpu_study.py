@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 
-def sh(args: list[str], log: Path) -> None:
-    """Run ``conceptmoe ARGS``; its output goes to ``log``; a failure stops the study with its tail."""
+def sh(args: list[str], log: Path, fatal: bool = True) -> int:
+    """Run ``conceptmoe ARGS``; its output goes to ``log``. A failure stops the study with its tail
+    (``fatal``), or is returned (the latency step: the trained models' records stand without it)."""
     cmd = [sys.executable, "-m", "conceptmoe", *args]
     print("+ conceptmoe " + " ".join(args), flush=True)
     with open(log, "a") as f:
@@ -40,7 +41,11 @@ def sh(args: list[str], log: Path) -> None:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
         tail = log.read_text().splitlines()[-5:]
-        sys.exit(f"error: conceptmoe {args[0]} failed ({r.returncode}); last lines of {log}:\n" + "\n".join(tail))
+        msg = f"error: conceptmoe {' '.join(args[:2])} failed ({r.returncode}); last lines of {log}:\n" + "\n".join(tail)
+        if fatal:
+            sys.exit(msg)
+        print(msg, file=sys.stderr, flush=True)
+    return r.returncode
 
 
 def parse() -> argparse.Namespace:
@@ -56,6 +61,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--latency-lens", default="4096,8192,16384,32768,65536", help="prefill / KV lengths")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap the budget per model (e.g. a few epochs of the data: past that a held-out "
+                        "comparison measures memorising)")
     p.add_argument("--tiny", action="store_true", help="CPU check: tiny preset, short sequences, a few batches")
     a = p.parse_args()
     if a.tiny:
@@ -85,7 +93,10 @@ def main() -> int:
     tokens = max(batch_tokens, math.floor(tokens / batch_tokens) * batch_tokens)
     if a.tiny:
         tokens = min(tokens, 8 * batch_tokens)
-    budget = {"tokens_per_s": tps, "train_seconds": train_s, "tokens": tokens, "batch_tokens": batch_tokens}
+    if a.max_tokens:
+        tokens = max(batch_tokens, min(tokens, a.max_tokens // batch_tokens * batch_tokens))
+    budget = {"tokens_per_s": tps, "train_seconds": train_s, "tokens": tokens, "batch_tokens": batch_tokens,
+              "max_tokens": a.max_tokens}
     (out / "budget.json").write_text(json.dumps(budget, indent=2) + "\n")
     print(f"budget: {tokens:,} tokens per model (MoE {tps['moe']:.0f} tok/s, ConceptMoE {tps['cm']:.0f} tok/s)")
     # 3. both models on the same batches, evaluated
@@ -96,31 +107,61 @@ def main() -> int:
     report = json.loads((cmp_dir / "report.json").read_text())
     # 4. latency of the trained models on their held-out text
     moe_run, cm_run = cmp_dir / "moe" / f"seed{a.seed}", cmp_dir / "topk-R2" / f"seed{a.seed}"
-    sh(["bench", "latency", "--input", "held-out", "--run", str(moe_run), "--run", str(cm_run), "--strategies",
+    rc = sh(["bench", "latency", "--input", "held-out", "--preset", a.preset, "--run", str(moe_run), "--run", str(cm_run), "--strategies",
         "topk", "--prefill-lens", a.latency_lens, "--kv-lens", a.latency_lens, "--batch", "1" if a.tiny else "4",
         "--repeats", "1" if a.tiny else "2", "--decode-steps", "4" if a.tiny else "16", "--dtype", a.dtype,
-        "--out", str(out / "latency")] + common + (["--threads", "1"] if a.tiny else []), log)
+        "--out", str(out / "latency")] + common + (["--threads", "1"] if a.tiny else []), log, fatal=False)
+    latency_file = out / "latency" / "latency.json"
+    latency = json.loads(latency_file.read_text()) if rc == 0 and latency_file.exists() else None
     # 5. the summary
-    write_summary(out, a, budget, report, json.loads((out / "latency" / "latency.json").read_text()))
+    write_summary(out, a, budget, report, latency, speed.get("machine"), time.monotonic() - t0)
     print(f"done in {time.monotonic() - t0:.0f} s: {out / 'summary.md'}")
-    return 0
+    return 0 if latency is not None else 1
 
 
-def write_summary(out: Path, a, budget: dict, report: dict, latency: dict) -> None:
+def trained_rows(latency: dict, key: str, length: str) -> list[tuple[int, dict, dict]]:
+    """(length, MoE row, ConceptMoE row) of the two trained runs (named ``...[seedN]``) per length."""
+    rows = [r for r in latency[key] if r["model"].endswith("]")]
+    by_len: dict[int, list[dict]] = {}
+    for r in rows:
+        by_len.setdefault(r[length], []).append(r)
+    return [(n, rs[0], rs[1]) for n, rs in sorted(by_len.items()) if len(rs) == 2]
+
+
+def write_summary(out: Path, a, budget: dict, report: dict, latency: dict | None, machine: dict | None,
+                  seconds: float) -> None:
     moe, cm = report["models"][0], report["models"][1]
-    summary = {"device": a.device, "dtype": a.dtype, "data": a.data, "seq_len": a.seq_len, "seed": a.seed,
+    summary = {"device": a.device, "machine": machine, "dtype": a.dtype, "data": a.data, "preset": a.preset,
+               "seq_len": a.seq_len, "batch_size": a.batch_size, "seed": a.seed, "seconds": seconds,
                "tokens_per_model": budget["tokens"], "tokens_per_s": budget["tokens_per_s"],
-               "moe": {"name": moe["name"], "val_bpb": moe["val_bpb"]},
-               "conceptmoe": {"name": cm["name"], "val_bpb": cm["val_bpb"], "compression": cm["compression"]},
+               "moe": {"name": moe["name"], "val_bpb": moe["val_bpb"], "train_tokens_per_s": moe["train_tokens_per_s"]},
+               "conceptmoe": {"name": cm["name"], "val_bpb": cm["val_bpb"], "compression": cm["compression"],
+                              "train_tokens_per_s": cm["train_tokens_per_s"]},
                "gap_bpb": cm["val_bpb"] - moe["val_bpb"], "latency": latency}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
-    lines = [f"# GPU study: {a.device}, {a.dtype}, {a.data}, seq {a.seq_len}, seed {a.seed}", "",
-             f"Training speed: MoE {budget['tokens_per_s']['moe']:.0f} tok/s, ConceptMoE "
-             f"{budget['tokens_per_s']['cm']:.0f} tok/s; budget {budget['tokens']:,} tokens per model.", "",
-             "| model | held-out BPB | compression |", "|---|---|---|",
-             f"| {moe['name']} | {moe['val_bpb']:.4f} | 1.00 |",
-             f"| {cm['name']} | {cm['val_bpb']:.4f} ({summary['gap_bpb']:+.4f}) | {cm['compression']:.2f} |", "",
-             "Latency: see latency/latency.md (prefill and decode of both trained models).", ""]
+    gpu = (machine or {}).get("gpu") or (machine or {}).get("cpu_model") or a.device
+    lines = [f"# GPU study: {gpu}, {a.dtype}, {a.data}, {a.preset} preset, seq {a.seq_len}, seed {a.seed}", "",
+             f"Measured first (bench train): MoE {budget['tokens_per_s']['moe']:.0f} tok/s, ConceptMoE "
+             f"{budget['tokens_per_s']['cm']:.0f} tok/s; budget {budget['tokens']:,} tokens per model "
+             f"(batch {a.batch_size} x {a.seq_len}); the whole study took {seconds:.0f} s.", "",
+             "| model | held-out BPB | compression | train tokens/s (in compare) |", "|---|---|---|---|",
+             f"| {moe['name']} | {moe['val_bpb']:.4f} | 1.00 | {moe['train_tokens_per_s']:.0f} |",
+             f"| {cm['name']} | {cm['val_bpb']:.4f} ({summary['gap_bpb']:+.4f}) | {cm['compression']:.2f} | "
+             f"{cm['train_tokens_per_s']:.0f} |", ""]
+    if latency is None:
+        lines += ["Latency: the bench failed (log.txt has its output).", ""]
+    else:
+        lines += ["Latency of the two trained models on their held-out text (medians, seconds; "
+                  "ConceptMoE / MoE below 1 is faster):", "",
+                  "| tokens | prefill MoE | prefill ConceptMoE | ratio | decode step MoE (KV = tokens) | "
+                  "decode step ConceptMoE | ratio | KV bytes ConceptMoE / MoE |", "|---|---|---|---|---|---|---|---|"]
+        dec = {n: (m, c) for n, m, c in trained_rows(latency, "decode", "kv_len")}
+        for n, m, c in trained_rows(latency, "prefill", "tokens"):
+            dm, dc = dec.get(n, (None, None))
+            d = (f"{dm['median_s']:.4f} | {dc['median_s']:.4f} | {dc['median_s'] / dm['median_s']:.2f} | "
+                 f"{dc['kv_bytes'] / dm['kv_bytes']:.3f}") if dm else "- | - | - | -"
+            lines.append(f"| {n} | {m['median_s']:.4f} | {c['median_s']:.4f} | {c['median_s'] / m['median_s']:.2f} | {d} |")
+        lines.append("")
     (out / "summary.md").write_text("\n".join(lines))
 
 
