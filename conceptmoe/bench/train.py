@@ -62,13 +62,22 @@ def precision(dtype: str, device_type: str = "cpu"):
     return contextlib.nullcontext()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _step(model, x: torch.Tensor, u: torch.Tensor, dtype: str = "fp32") -> tuple[float, float]:
+    """Forward and backward seconds of one step (on CUDA, synchronised around each phase)."""
     kwargs = _boundary_kwargs(model, u)
+    _sync(x.device)
     t0 = time.perf_counter()
-    with precision(dtype):
+    with precision(dtype, x.device.type):
         out = model(x, labels=x, **kwargs)
+    _sync(x.device)
     t1 = time.perf_counter()
     out.loss.backward()
+    _sync(x.device)
     t2 = time.perf_counter()
     model.zero_grad(set_to_none=True)
     return t1 - t0, t2 - t1
@@ -77,7 +86,7 @@ def _step(model, x: torch.Tensor, u: torch.Tensor, dtype: str = "fp32") -> tuple
 def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
                     seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
                     seed: int = 0, exact: bool = True, profile: int = 0, dtypes: tuple[str, ...] = ("fp32",),
-                    compile: bool = False, peak: dict[str, float] | None = None) -> dict:
+                    compile: bool = False, peak: dict[str, float] | None = None, device: str = "cpu") -> dict:
     """Per sequence length, dtype and model: median forward / backward seconds, tokens/s, FLOP/s, MFU.
 
     ``exact``: ConceptMoEs take exactly round(T/R) boundaries per row (random positions), so the
@@ -85,15 +94,16 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
     with boundary noise (compression reported either way). ``profile`` > 0: also the top
     ``profile`` operators by self CPU time of one forward and one backward per model and length
     (torch.profiler), under ``profile`` in the result (keys ``model@T``, plus `` dtype`` when
-    several dtypes run). ``peak``: GFLOP/s per dtype (default: measured now, ``peak.py``)."""
+    several dtypes run). ``peak``: GFLOP/s per dtype (default: measured now on ``device``, ``peak.py``)."""
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"dtypes must be among {', '.join(DTYPES)} (got {', '.join(dtypes) or 'none'})")
     base = ModelConfig.from_preset(preset, kind="moe")
     cfgs = [("MoE", base)] + [(f"{s}-R{r:g}", match_config(base, r, s).config) for r in ratios for s in strategies]
-    peak = peak or measure_peak(tuple(dtypes), preset, tokens, squares_for(preset, tokens), min_time=0.1,
-                                budget=30.0)["peak_gflops"]
+    dev = torch.device(device)
+    peak = peak or measure_peak(tuple(dtypes), preset, tokens, squares_for(preset, tokens), device=device,
+                                min_time=0.1, budget=30.0)["peak_gflops"]
     torch.manual_seed(seed)
-    models = {name: build_model(cfg).train() for name, cfg in cfgs}
+    models = {name: build_model(cfg).to(dev).train() for name, cfg in cfgs}
     for m in models.values():
         m.loss_only = True  # as the trainer: the head and its cross-entropy fused (model/linear_ce.py)
     if compile:
@@ -108,7 +118,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
         x = torch.randint(0, base.vocab_size, (B, T), generator=g)
         u = torch.rand(B, T, generator=g)
         inputs = {name: (exact_boundaries(B, T, m.cfg.compression_ratio, g) if exact and m.cfg.is_concept else u)
-                  for name, m in models.items()}
+                  .to(dev) for name, m in models.items()}
+        x = x.to(dev)
         for name, dt in runs:  # warm-up (and, with compile, compilation)
             _step(models[name], x, inputs[name], dt)
         times: dict[tuple[str, str], list[tuple[float, float]]] = {r: [] for r in runs}
@@ -134,7 +145,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
             for name, dt in runs:
                 key = f"{name}@{T}" + (f" {dt}" if len(dtypes) > 1 else "")
                 profiles[key] = profile_step(models[name], x, inputs[name], profile, dt)
-    return {"profile": profiles, "preset": preset, "threads": torch.get_num_threads(), "repeats": repeats,
+    return {"profile": profiles, "preset": preset, "device": dev.type, "threads": torch.get_num_threads(),
+            "repeats": repeats,
             "machine": machine(),
             "exact_compression": exact, "dtypes": list(dtypes), "compile": compile,
             "peak_gflops": {dt: peak[dt] for dt in dtypes}, "rows": rows,
@@ -145,7 +157,7 @@ def profile_step(model, x: torch.Tensor, u: torch.Tensor, top: int = 12, dtype: 
     """Top ``top`` operators by self CPU time in one forward and, separately, one backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as fwd, precision(dtype):
+    with profile(activities=[ProfilerActivity.CPU]) as fwd, precision(dtype, x.device.type):
         out = model(x, labels=x, **_boundary_kwargs(model, u))
     with profile(activities=[ProfilerActivity.CPU]) as bwd:
         out.loss.backward()

@@ -150,6 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="precision(s), comma-separated, timed side by side (default: bf16 on CPUs with "
                         "AMX-BF16 / AVX512-BF16, else fp32)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (as train --compile)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda[:N] or auto")
     p.add_argument("--peak", metavar="FILE", help="the peak.json of `bench peak --out` (default: measure it now)")
     p.add_argument("--out", help="also write train.json into this directory")
     p.set_defaults(func=cmd_bench_train)
@@ -261,12 +262,14 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         raise UserError("--tokens and --repeats must be >= 1, --threads and --profile >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtypes = tuple(dict.fromkeys(args.dtype if args.dtype is not None else [default_dtype(torch.device("cpu"))]))
+    device = resolve_device(args.device)
+    dtypes = tuple(dict.fromkeys(args.dtype if args.dtype is not None else [default_dtype(device)]))
     if not dtypes or any(d not in ("fp32", "bf16") for d in dtypes):
         raise UserError(f"--dtype must be fp32, bf16 or fp32,bf16 (got {','.join(dtypes)})")
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
                           args.tokens, args.repeats, exact=not args.router, profile=args.profile,
-                          dtypes=dtypes, compile=args.compile, peak=_read_peak(args.peak, dtypes))
+                          dtypes=dtypes, compile=args.compile, peak=_read_peak(args.peak, dtypes),
+                          device=str(device))
     print(format_train_table(res))
     if args.profile:
         print(format_profile(res))

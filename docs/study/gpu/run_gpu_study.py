@@ -82,7 +82,7 @@ def main() -> int:
     # 1. speed first
     sh(["bench", "train", "--preset", a.preset, "--seq-lens", str(a.seq_len), "--tokens",
         str(a.batch_size * a.seq_len), "--repeats", "2" if a.tiny else "3", "--dtype", a.dtype,
-        "--out", str(out / "speed")] + (["--threads", "1"] if a.tiny else []), log)
+        "--out", str(out / "speed")] + common + (["--threads", "1"] if a.tiny else []), log)
     speed = json.loads((out / "speed" / "train.json").read_text())
     tps = {("moe" if r["model"].startswith("MoE") else "cm"): r["tokens_per_s"] for r in speed["rows"]}
     # 2. the budget: both models in the training share of what is left, whole batches
