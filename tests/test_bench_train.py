@@ -10,6 +10,7 @@ def test_bench_train_rows_and_json(tmp_path, capsys):
     assert main(["bench", "train", "--preset", "tiny", "--seq-lens", "16,32", "--tokens", "64", "--repeats", "1",
                  "--strategies", "topk,loop", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "train.json").read_text())
+    assert res["device"] == "cpu"
     assert [(r["model"], r["seq_len"]) for r in res["rows"]] == [
         (m, t) for t in (16, 32) for m in ("MoE", "topk-R2", "loop-R2")]
     for r in res["rows"]:
@@ -42,3 +43,15 @@ def test_bench_train_profile_forward_and_backward(tmp_path, capsys):
     assert not any("backward" in o["op"].lower() for o in prof["MoE@32"]["forward"])
     assert "MoE@32 forward:" in capsys.readouterr().out
     assert main(["bench", "train", "--preset", "tiny", "--profile", "-1"]) == 2
+
+
+def test_bench_train_device(capsys):
+    """--device: a bad name, or CUDA where there is none, is one line and exit 2 (the GPU study
+    passes --device cuda; its timing on CUDA synchronises around each phase)."""
+    import torch
+
+    assert main(["bench", "train", "--preset", "tiny", "--device", "tpu"]) == 2
+    assert "--device must be" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "train", "--preset", "tiny", "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
