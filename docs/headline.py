@@ -84,11 +84,13 @@ def quality() -> str:
 
 
 def latency() -> str:
-    head = ("| trained pair (`python-stdlib`, fp32, 1 thread) | prefill 4K | prefill 16K | decode at KV 4K | "
-            "decode at KV 16K | realised R in decode | KV cache vs MoE | source |\n|---|---|---|---|---|---|---|---|")
+    head = ("| trained pair (`python-stdlib`) | where | prefill 4K | prefill 16K | decode at KV 4K | "
+            "decode at KV 16K | realised R in decode | KV cache vs MoE | source |\n|---|---|---|---|---|---|---|---|---|")
     rows = []
     for budget, seed, rel in (("1.2M", 0, "study/round2/d1.2M/latency-s0/latency.json"),
-                              ("9.6M", 2, "study/round2/d9.6M/latency-s2/latency.json")):
+                              ("9.6M", 2, "study/round2/d9.6M/latency-s2/latency.json"),
+                              ("36M (12 epochs)", 0, "study/gpu/h200-seq2048-36M/latency/latency.json"),
+                              ("5.8M (2 epochs)", 0, "study/gpu/h200-seq2048-5.8M/latency/latency.json")):
         rec = _load(rel)
         moe, cm = f"MoE-top4[seed{seed}]", f"ConceptMoE-1L-top10-R2[seed{seed}]"
 
@@ -96,12 +98,15 @@ def latency() -> str:
             t = {r["model"]: r["median_s"] for r in rec[kind] if r[key] == n}
             return f"{t[moe] / t[cm] - 1:+.0%}"
 
+        st = rec["settings"]
+        where = (f"{rec['machine']['gpu']}, {rec['dtype']}, decode batch {st['batch']}" if st["device"].startswith("cuda")
+                 else f"CPU, {rec['dtype']}, {rec['threads']} thread")
         rs = sorted({round(r["compression"], 2) for r in rec["decode"] if r["model"] == cm})
         kv = sorted({round(r["kv_ratio_vs_moe"], 2) for r in rec["kv_check"] if r["model"] == cm})
-        rows.append(f"| {budget} seed {seed} | {speedup('prefill', 'tokens', 4096)} | "
+        rows.append(f"| {budget} seed {seed} | {where} | {speedup('prefill', 'tokens', 4096)} | "
                     f"{speedup('prefill', 'tokens', 16384)} | {speedup('decode', 'kv_len', 4096)} | "
                     f"{speedup('decode', 'kv_len', 16384)} | {' / '.join(f'{r:.2f}' for r in rs)} "
-                    f"({rec['settings']['decode_steps']} steps) | {' / '.join(f'{k:.2f}' for k in kv)}× | "
+                    f"({st['decode_steps']} steps) | {' / '.join(f'{k:.2f}' for k in kv)}× | "
                     f"[record](docs/{rel}) |")
     return "\n".join([head, *rows])
 
