@@ -57,6 +57,8 @@ def test_signal_finishes_in_flight_requests_and_exits_0(run, sig):
     line = p.stdout.readline()
     assert line.startswith("serving "), line + p.stderr.read()
     url = line.split(" at ", 1)[1].split(" ", 1)[0]
+    # the "serving" line promises a listening socket: a request sent at once is answered, not refused
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
     result: dict = {}
 
     def stream():
@@ -71,6 +73,7 @@ def test_signal_finishes_in_flight_requests_and_exits_0(run, sig):
     p.send_signal(sig)
     t.join(timeout=60)
     assert p.wait(timeout=60) == 0, p.stderr.read()
+    assert "lines" in result, "the streaming request did not complete"
     lines = result["lines"]
     assert lines[-1] == "data: [DONE]"
     final = json.loads(lines[-2][6:])

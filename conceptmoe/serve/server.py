@@ -116,6 +116,9 @@ def serve(cfg: ServeConfig) -> int:
         server = Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.grace,
                                        access_log=False))
         port = sock.getsockname()[1]
+        # listen before announcing: a client that connects on the "serving" line waits in the
+        # backlog until uvicorn accepts, instead of being refused
+        sock.listen(2048)
         print(f"serving {cfg.run} at http://{cfg.host}:{port} ({describe(engine, limits)})", flush=True)
         server.run(sockets=[sock])
         engine.shutdown(0 if server.should_exit else cfg.grace)
