@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from conceptmoe.bench.train import run_train_bench
 from conceptmoe.cli import main
 
@@ -43,6 +45,7 @@ def test_bench_train_profile_forward_and_backward(tmp_path, capsys):
     assert not any("backward" in o["op"].lower() for o in prof["MoE@32"]["forward"])
     assert "MoE@32 forward:" in capsys.readouterr().out
     assert main(["bench", "train", "--preset", "tiny", "--profile", "-1"]) == 2
+    assert main(["bench", "train", "--preset", "tiny", "--concept-bucket", "0"]) == 2
 
 
 def test_bench_train_device(capsys):
@@ -55,3 +58,22 @@ def test_bench_train_device(capsys):
     if not torch.cuda.is_available():
         assert main(["bench", "train", "--preset", "tiny", "--device", "cuda"]) == 2
         assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bench_train_router_draws_fresh_noise_every_step(monkeypatch):
+    """--router: the untrained router with new boundary noise each step (C changes as in training)."""
+    import conceptmoe.bench.train as bt
+
+    seen, step = [], bt._step
+
+    def record(model, x, u, dtype="fp32"):
+        if model.cfg.is_concept:
+            seen.append(u.clone())
+        return step(model, x, u, dtype)
+    monkeypatch.setattr(bt, "_step", record)
+    res = run_train_bench("tiny", (2.0,), ("topk",), (32,), 128, 3, exact=False, peak={"fp32": 1.0},
+                          concept_bucket=8)
+    assert res["concept_bucket"] == 8
+    assert len(seen) == 4 and seen[0].dtype == torch.float32  # warm-up + 3 repeats, noise uniforms
+    assert all(not torch.equal(seen[i], seen[i + 1]) for i in range(1, 3))
+    assert res["rows"][1]["compression"] > 1.0

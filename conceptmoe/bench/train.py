@@ -86,15 +86,18 @@ def _step(model, x: torch.Tensor, u: torch.Tensor, dtype: str = "fp32") -> tuple
 def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), strategies: tuple[str, ...] = ("topk",),
                     seq_lens: tuple[int, ...] = (256, 2048), tokens: int = 2048, repeats: int = 5,
                     seed: int = 0, exact: bool = True, profile: int = 0, dtypes: tuple[str, ...] = ("fp32",),
-                    compile: bool = False, peak: dict[str, float] | None = None, device: str = "cpu") -> dict:
+                    compile: bool = False, peak: dict[str, float] | None = None, device: str = "cpu",
+                    concept_bucket: int | None = None) -> dict:
     """Per sequence length, dtype and model: median forward / backward seconds, tokens/s, FLOP/s, MFU.
 
     ``exact``: ConceptMoEs take exactly round(T/R) boundaries per row (random positions), so the
     comparison is at the target compression; else the boundaries come from the untrained router
-    with boundary noise (compression reported either way). ``profile`` > 0: also the top
+    with fresh boundary noise at every step, so that the number of concepts changes from step to
+    step as in training (compression reported either way, of the last step's noise). ``profile`` > 0: also the top
     ``profile`` operators by self CPU time of one forward and one backward per model and length
     (torch.profiler), under ``profile`` in the result (keys ``model@T``, plus `` dtype`` when
-    several dtypes run). ``peak``: GFLOP/s per dtype (default: measured now on ``device``, ``peak.py``)."""
+    several dtypes run). ``peak``: GFLOP/s per dtype (default: measured now on ``device``, ``peak.py``).
+    ``concept_bucket``: the ConceptMoEs' ``concept_bucket`` (None: as in training, lm.py)."""
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"dtypes must be among {', '.join(DTYPES)} (got {', '.join(dtypes) or 'none'})")
     base = ModelConfig.from_preset(preset, kind="moe")
@@ -106,6 +109,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
     models = {name: build_model(cfg).to(dev).train() for name, cfg in cfgs}
     for m in models.values():
         m.loss_only = True  # as the trainer: the head and its cross-entropy fused (model/linear_ce.py)
+        if m.cfg.is_concept:
+            m.concept_bucket = concept_bucket
     if compile:
         for m in models.values():
             for blk in blocks(m):
@@ -124,6 +129,9 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
             _step(models[name], x, inputs[name], dt)
         times: dict[tuple[str, str], list[tuple[float, float]]] = {r: [] for r in runs}
         for _ in range(repeats):
+            if not exact:  # fresh boundary noise every step, as in training: C changes step to step
+                u = torch.rand(B, T, generator=g).to(dev)
+                inputs = {name: u for name in models}
             for name, dt in runs:
                 times[name, dt].append(_step(models[name], x, inputs[name], dt))
         comps = {name: _compression(m, x, inputs[name]) for name, m in models.items()}
@@ -148,7 +156,8 @@ def run_train_bench(preset: str = "small", ratios: tuple[float, ...] = (2.0,), s
     return {"profile": profiles, "preset": preset, "device": dev.type, "threads": torch.get_num_threads(),
             "repeats": repeats,
             "machine": machine(),
-            "exact_compression": exact, "dtypes": list(dtypes), "compile": compile,
+            "exact_compression": exact, "concept_bucket": concept_bucket,
+            "dtypes": list(dtypes), "compile": compile,
             "peak_gflops": {dt: peak[dt] for dt in dtypes}, "rows": rows,
             "models": {n: cfg.name for n, cfg in cfgs}}
 

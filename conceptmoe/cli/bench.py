@@ -140,7 +140,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-lens", type=_lengths, default=[256, 2048], help="sequence lengths (default 256,2048)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per step: batch = tokens / length (default 2048)")
     p.add_argument("--router", action="store_true",
-                   help="let the untrained router choose the boundaries (default: exactly T/R per row)")
+                   help="let the untrained router choose the boundaries, with fresh noise every step as in "
+                        "training (default: exactly T/R per row)")
+    p.add_argument("--concept-bucket", type=int, default=None,
+                   help="pad the number of concepts to a multiple of this (1: off; default: 64 on CUDA, "
+                        "1 elsewhere, as training does)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats, median reported (default 5)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -260,6 +264,8 @@ def cmd_bench_scan(args: argparse.Namespace) -> int:
 def cmd_bench_train(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.repeats < 1 or args.threads < 0 or args.profile < 0:
         raise UserError("--tokens and --repeats must be >= 1, --threads and --profile >= 0")
+    if args.concept_bucket is not None and args.concept_bucket < 1:
+        raise UserError(f"--concept-bucket must be >= 1 (got {args.concept_bucket})")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -269,7 +275,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     res = run_train_bench(args.preset, tuple(args.ratios), tuple(args.strategies), tuple(args.seq_lens),
                           args.tokens, args.repeats, exact=not args.router, profile=args.profile,
                           dtypes=dtypes, compile=args.compile, peak=_read_peak(args.peak, dtypes),
-                          device=str(device))
+                          device=str(device), concept_bucket=args.concept_bucket)
     print(format_train_table(res))
     if args.profile:
         print(format_profile(res))

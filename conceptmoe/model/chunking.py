@@ -230,11 +230,16 @@ def ratio_loss_fg(Fm: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
 
 
 def gather_concepts(h: torch.Tensor, p: torch.Tensor, b: torch.Tensor,
-                    pooling: str = "boundary") -> Chunks:
-    """Select the concept vectors of each row into a right-padded (B, C, D) tensor."""
+                    pooling: str = "boundary", pad_to: int = 1) -> Chunks:
+    """Select the concept vectors of each row into a right-padded (B, C, D) tensor.
+
+    ``pad_to``: C is the largest row's count rounded up to a multiple of it (at most T), so that
+    the concept layers see few distinct lengths; the extra slots are padding like any other."""
     B, T, D = h.shape
     counts = b.sum(1)  # (B,)
     C = int(counts.max())
+    if pad_to > 1:
+        C = max(C, min(-(-C // pad_to) * pad_to, T))
     cidx = b.long().cumsum(1) - 1  # (B, T) j(t)
     rows, cols = b.nonzero(as_tuple=True)
     slots = cidx[rows, cols]

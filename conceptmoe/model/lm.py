@@ -205,6 +205,13 @@ class MoELM(LanguageModel):
         return self._finish(x, labels, balance, z_loss, {"ratio_loss": ratio, "compression": 1.0}, None)
 
 
+# On CUDA the number of concepts C changes from step to step, and SDPA's cuDNN backend builds
+# (and caches) an execution plan per shape: a new C costs a plan build in the forward and in the
+# backward. Training pads C up to a multiple of this (exact: the padding is masked like the
+# padding of shorter rows, and causal attention keeps it out of the real concepts).
+CUDA_CONCEPT_BUCKET = 64
+
+
 class ConceptMoELM(LanguageModel):
     """Encoder (token rate) -> chunk -> concept model (concept rate) -> dechunk -> decoder."""
 
@@ -217,6 +224,8 @@ class ConceptMoELM(LanguageModel):
         # chunking.sharpness_at); None: cfg.boundary_sharpness.
         self.sharpness_now: float | None = None
         self.confidence_now: float | None = None  # the trainer's scheduled confidence weight
+        # C rounded up to a multiple of this in forward (None: CUDA_CONCEPT_BUCKET on CUDA, else 1)
+        self.concept_bucket: int | None = None
         # Elastic models (cfg.elastic_ratios) are told each row's R (model/elastic.py).
         self.ratio_embed = RatioEmbedding(cfg.elastic_ratios, cfg.d_model, cfg.ratio_embedding,
                                           cfg.compression_ratio) if cfg.elastic_ratios else None
@@ -289,7 +298,8 @@ class ConceptMoELM(LanguageModel):
         else:
             sharp = cfg.boundary_sharpness if self.sharpness_now is None else self.sharpness_now
             b = boundaries(p, self.training, cfg.boundary_noise, sharp, boundary_noise)
-        ch = gather_concepts(h, p, b, cfg.concept_pooling)
+        bucket = self.concept_bucket or (CUDA_CONCEPT_BUCKET if h.is_cuda else 1)
+        ch = gather_concepts(h, p, b, cfg.concept_pooling, pad_to=bucket)
         c_in = self.concept_input(ch.concepts, ch.mask, terms)
         c, aux_c = self.run_concepts(c_in, ch.mask)  # (B, C, D)
         if cfg.dechunk_source == "update":

@@ -2,8 +2,9 @@
 
 Issue 44 ("ready for a GPU"). On one GPU for ``--minutes`` (default 10):
 
-1. ``conceptmoe bench train`` measures the training tokens/s of the MoE and the default
-   ConceptMoE at ``--seq-len`` (written down first: ``speed.json``);
+1. ``conceptmoe bench train --router`` measures the training tokens/s of the MoE and the default
+   ConceptMoE at ``--seq-len``, the ConceptMoE's concept count changing from step to step as in
+   training (written down first: ``speed/train.json``);
 2. the token budget is sized so that both models train, one after the other, in the
    ``--train-share`` of the time (default 60%), rounded down to whole batches;
 3. ``conceptmoe compare`` trains both on the same batches (paired seed) and evaluates them;
@@ -80,7 +81,7 @@ def main() -> int:
     log, t0 = out / "log.txt", time.monotonic()
     common = ["--device", a.device]
     # 1. speed first
-    sh(["bench", "train", "--preset", a.preset, "--seq-lens", str(a.seq_len), "--tokens",
+    sh(["bench", "train", "--router", "--preset", a.preset, "--seq-lens", str(a.seq_len), "--tokens",
         str(a.batch_size * a.seq_len), "--repeats", "2" if a.tiny else "3", "--dtype", a.dtype,
         "--out", str(out / "speed")] + common + (["--threads", "1"] if a.tiny else []), log)
     speed = json.loads((out / "speed" / "train.json").read_text())
