@@ -32,6 +32,28 @@ def test_reading_a_curve_at_a_time():
     assert lc.at_time(curve, 99.0) == 1.5 and lc.at_time(curve, 1.0) == 3.0
 
 
+def _fig(val: float, early: float, late: float) -> dict:
+    return {"val_bpb": val, "position": {"1-64": early, "1024-2048": late}, "needle": {}, "copy": {}}
+
+
+def test_contrasts_late_minus_early_and_2048_minus_256():
+    """Per seed, differences of paired gaps; negative (the ConceptMoE's gap smaller) is 'smaller'."""
+    runs = {2048: {s: {"moe": _fig(2.0, 2.0, 2.0), "cm": _fig(1.9 + d, 2.0, 1.8 + d)}
+                   for s, d in ((0, 0.0), (1, 0.01), (2, -0.01))},
+            256: {s: {"moe": _fig(1.6, 2.0, 2.1), "cm": _fig(1.6, 2.0, 2.1 + d)} for s, d in ((0, 0.0), (1, 0.02))}}
+    runs[256][3] = {"moe": _fig(1.6, 2.0, 2.0)}  # an unpaired seed counts nowhere
+    c = lc.contrasts(runs, "cm")
+    late = c["late - early gap at 2048"]
+    assert late["n"] == 3 and late["mean"] == pytest.approx(-0.2) and late["verdict"].startswith("smaller")
+    assert c["late - early gap at 256"]["n"] == 2 and c["late - early gap at 256"]["verdict"] == "unresolved"
+    across = c["val_bpb gap at 2048 - at 256"]
+    assert across["seeds"] == [0, 1] and across["mean"] == pytest.approx(np.mean([-0.1, -0.09]))
+    assert c["position 1024-2048 gap at 2048 - at 256"]["mean"] == pytest.approx(np.mean([-0.2, -0.21]))
+    assert lc.contrasts({2048: runs[2048]}, "cm").keys() == {"late - early gap at 2048"}
+    flipped = {L: {s: {"moe": m["cm"], "cm": m["moe"]} for s, m in by.items() if len(m) == 2} for L, by in runs.items()}
+    assert lc.contrasts(flipped, "cm")["late - early gap at 2048"]["verdict"].startswith("larger")
+
+
 @pytest.mark.slow
 def test_long_context_record_of_a_tiny_comparison(tmp_path):
     corpus = make_corpus(tmp_path / "corpus", n_docs=4, chars=40000)  # held-out tails of ~500 tokens
@@ -77,6 +99,7 @@ def test_long_context_record_of_a_tiny_comparison(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["runs"] == rec["runs"] and again["gaps"] == rec["gaps"]
+    assert again["contrasts"] == rec["contrasts"] and "late - early gap at 128" not in rec["contrasts"]
 
 
 @pytest.mark.slow

@@ -27,6 +27,11 @@ seen in training, nothing tuned on it):
   with ``--speed train.json`` (``conceptmoe bench train``, both models timed interleaved on a quiet
   machine) also at that measured speed ratio: the slower model read at tokens / ratio.
 
+``contrasts`` answer "is the ConceptMoE's gap smaller at late positions or long range?": per
+seed, the gap at positions [1024, 2048) minus the gap at [1, 64) (per training length), and the
+gap at 2048 minus the gap at 256 (seeds trained at both) of the held-out BPB and of the late
+positions; negative = the ConceptMoE gains where the context is long.
+
 Per-run figures are cached in RUN/long_context.json (remove it to measure again). The record
 docs/study/round3/NAME.json holds every run's figures and, per training length, the paired gaps
 ConceptMoE - MoE per seed with their mean and Student-t 95% interval (interval.py); NAME.md is
@@ -214,6 +219,36 @@ def figures(r: dict) -> dict[str, float]:
     return out
 
 
+LATE, EARLY = "position 1024-2048", "position 1-64"
+
+
+def contrast(diffs: list[float]) -> dict:
+    """A paired interval over per-seed differences of gaps; negative = the ConceptMoE's gap shrinks."""
+    res = paired(diffs)
+    lo, hi = res["ci95"]
+    res["verdict"] = ("unresolved" if lo is None else "smaller (ConceptMoE gains)" if hi < 0
+                      else "larger (ConceptMoE loses)" if lo > 0 else "unresolved")
+    return res
+
+
+def contrasts(runs: dict[int, dict[int, dict]], lab: str) -> dict[str, dict]:
+    """Late-minus-early gap per training length; 2048-minus-256 gap over the seeds trained at both."""
+    def g(m: dict, k: str) -> float:
+        return figures(m[lab])[k] - figures(m["moe"])[k]
+    pairs = {L: {s: m for s, m in by.items() if len(m) == 2} for L, by in runs.items()}
+    out = {}
+    pairs = {L: by for L, by in pairs.items() if by and LATE in figures(next(iter(by.values()))["moe"])}
+    for L, by in sorted(pairs.items()):
+        if by:
+            out[f"late - early gap at {L}"] = contrast([g(m, LATE) - g(m, EARLY) for m in by.values()])
+    if 2048 in pairs and 256 in pairs:
+        both = sorted(set(pairs[2048]) & set(pairs[256]))
+        for k in ("val_bpb", LATE):
+            out[f"{k} gap at 2048 - at 256"] = dict(contrast([g(pairs[2048][s], k) - g(pairs[256][s], k)
+                                                              for s in both]), seeds=both)
+    return out
+
+
 def markdown(record: dict) -> str:
     """Every figure of the record: per training length, the models' means over paired seeds and the gap."""
     lab, out = record["label"], []
@@ -232,6 +267,14 @@ def markdown(record: dict) -> str:
                 cm = statistics.fmean(figures(m[lab])[k] for m in pairs)
             ci = f"[{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else "-"
             out.append(f"| {k} | {moe:.4f} | {cm:.4f} | {g['mean']:+.4f} | {ci} | {g['verdict']} |")
+        out.append("")
+    if record.get("contrasts"):
+        out += ["### Is the ConceptMoE's gap smaller where the context is long?", "",
+                "Per seed, a difference of paired gaps (ConceptMoE - MoE); negative: smaller gap there.", "",
+                "| contrast | seeds | mean | 95% interval | answer |", "|---|---|---|---|---|"]
+        for k, c in record["contrasts"].items():
+            ci = f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"][0] is not None else "-"
+            out.append(f"| {k} | {c['n']} | {c['mean']:+.4f} | {ci} | {c['verdict']} |")
         out.append("")
     return "\n".join(out)
 
@@ -294,6 +337,7 @@ def main() -> None:
         if speed is not None:
             record["gaps"][str(L)]["equal wall-clock (bench)"] = gap(
                 [w["bench"]["bpb"][a.label] - w["bench"]["bpb"]["moe"] for w in wc.values()])
+    record["contrasts"] = contrasts(runs, a.label)
     path = a.record_dir / f"{a.name}.json"
     path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
     path.with_suffix(".md").write_text(markdown(record))
@@ -302,6 +346,9 @@ def main() -> None:
         for k, g in gaps.items():
             ci = f"  95% CI [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else ""
             print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}{ci}  {g['verdict']}")
+    for k, c in record["contrasts"].items():
+        ci = f"  95% CI [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"][0] is not None else ""
+        print(f"{k:38s} n={c['n']}  {c['mean']:+.4f}{ci}  {c['verdict']}")
     print(f"wrote {path}")
 
 
