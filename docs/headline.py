@@ -169,7 +169,7 @@ def long_context() -> str:
         if not pairs:
             continue
         fig = {s: {lab: figures(m[lab]) for lab in m} for s, m in pairs.items()}
-        keys = list(names) if L == "2048" else ["val_bpb", "position 1024-2048"]
+        keys = list(names) if L == "2048" else ["val_bpb"]
         for k in keys:
             moe = {s: f["moe"][k] for s, f in fig.items()}
             cm = {s: f[rec["label"]][k] for s, f in fig.items()}
@@ -182,7 +182,8 @@ def long_context() -> str:
             bench = [w["bench"] for w in wc.values() if "bench" in w]
             if bench:
                 res = interval([b["bpb"][rec["label"]] - b["bpb"]["moe"] for b in bench])
-                rows.append(f"| BPB at equal training time, `bench train` speed ({bench[0]['speed']:.2f}×) | {L} | "
+                rows.append(f"| BPB at equal training time, `bench train` speed ({bench[0]['speed']:.2f}×; the MoE read "
+                            f"mid-schedule) | {L} | "
                             f"{len(bench)} | {statistics.fmean(b['bpb']['moe'] for b in bench):.4f} | "
                             f"{statistics.fmean(b['bpb'][rec['label']] for b in bench):.4f} | {res['mean']:+.4f} | "
                             f"{_ci(res)} | {res['verdict']} |")

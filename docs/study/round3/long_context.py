@@ -270,7 +270,8 @@ def markdown(record: dict) -> str:
         out.append("")
     if record.get("contrasts"):
         out += ["### Is the ConceptMoE's gap smaller where the context is long?", "",
-                "Per seed, a difference of paired gaps (ConceptMoE - MoE); negative: smaller gap there.", "",
+                "Per seed, a difference of paired gaps (ConceptMoE - MoE); negative: the ConceptMoE does "
+                "relatively better at the later positions / the longer training length.", "",
                 "| contrast | seeds | mean | 95% interval | answer |", "|---|---|---|---|---|"]
         for k, c in record["contrasts"].items():
             ci = f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"][0] is not None else "-"
