@@ -9,10 +9,12 @@ with that seed's continued MoE: gap ConceptMoE - MoE, mean and Student-t 95% int
 (interval.py; the verdict reads lower as better). Activated FLOPs per token stand beside each
 (a loop conversion at R = 1.5 cannot match the MoE by whole loops).
 
-``--scratch``: ConceptMoEs trained from scratch for the conversion's total tokens (a run
-directory or its eval.json, one per seed, ``train --tokens 3600000``): the control the issue
-asks for. Their seeds are paired with the conversion's seeds where both exist; the table gives
-their BPB beside the converted ones and the continued MoE.
+``--scratch``: ConceptMoEs trained from scratch for the conversion's total tokens (run
+directories, one per seed, ``train --tokens 3600000``): the control the issue asks for. The
+conversions are validated on the first ``val_tokens`` (32,768) held-out tokens, so each scratch
+run is scored on that same slice (``conceptmoe eval RUN --val-tokens N --json``, cached in
+RUN/eval-slice-N.json; its full held-out BPB is kept beside it). Their seeds are paired with the
+conversion's seeds where both exist.
 
 Writes docs/study/round3/NAME.json and NAME.md.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +37,8 @@ def read_ct(path: Path) -> dict:
     """{seed, moe: bpb, variants: {label: {bpb, flops, compression, ratio}}, moe_flops, pretrained}."""
     rep = json.loads((path / "report.json" if path.is_dir() else path).read_text())
     seed = int(rep["settings"]["seed"])
-    out = {"seed": seed, "pretrained": rep["init"], "tokens": rep["settings"]["tokens"], "variants": {}}
+    out = {"seed": seed, "pretrained": rep["init"], "tokens": rep["settings"]["tokens"],
+           "val_tokens": rep["settings"].get("val_tokens", 32768), "variants": {}}
     for m in rep["models"]:
         if m["seeds"] != [seed]:
             raise SystemExit(f"error: {path}: one seed per conversion record (got {m['seeds']} for {m['label']})")
@@ -47,13 +51,19 @@ def read_ct(path: Path) -> dict:
     return out
 
 
-def read_scratch(path: Path) -> tuple[int, dict]:
-    ev = path / "eval.json" if path.is_dir() else path
-    run = ev.parent
+def read_scratch(run: Path, val_tokens: int) -> tuple[int, dict]:
     cfg = json.loads((run / "config.json").read_text())
-    seed = int(cfg["train"]["seed"])
-    return seed, {"bpb": json.loads(ev.read_text())["val_bpb"], "tokens": cfg["train"]["tokens"],
-                  "name": cfg.get("name") or run.name}
+    cached = run / f"eval-slice-{val_tokens}.json"
+    if not cached.is_file():
+        r = subprocess.run(["conceptmoe", "eval", str(run), "--val-tokens", str(val_tokens), "--json"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"error: conceptmoe eval {run} failed: {r.stderr.strip().splitlines()[-1:]}")
+        cached.write_text(r.stdout)
+    full = run / "eval.json"
+    return int(cfg["train"]["seed"]), {"bpb": json.loads(cached.read_text())["val_bpb"],
+                                       "bpb_heldout": json.loads(full.read_text())["val_bpb"] if full.is_file() else None,
+                                       "tokens": cfg["train"]["tokens"], "name": cfg.get("name") or run.name}
 
 
 def build(cts: list[dict], scratch: dict[int, dict]) -> dict:
@@ -76,6 +86,7 @@ def build(cts: list[dict], scratch: dict[int, dict]) -> dict:
     if scratch:
         both = [s for s in seeds if s in scratch]
         rec["scratch"] = {"seeds": sorted(scratch), "bpb": {str(s): v["bpb"] for s, v in sorted(scratch.items())},
+                          "bpb_heldout": {str(s): v["bpb_heldout"] for s, v in sorted(scratch.items())},
                           "tokens": sorted({v["tokens"] for v in scratch.values()})}
         if both:  # scratch against the continued MoE of the same seed (same total tokens)
             gaps = [scratch[s]["bpb"] - by[s]["moe"]["bpb"] for s in both]
@@ -91,7 +102,8 @@ def _ci(r: dict) -> str:
 def markdown(rec: dict) -> str:
     out = [f"Conversions of {len(rec['seeds'])} independently pretrained MoE(s) (seeds "
            f"{', '.join(map(str, rec['seeds']))}), each continued {rec['continued_tokens']} tokens beside the "
-           "continued MoE on the same batches. Gap = ConceptMoE - continued MoE, held-out BPB.", "",
+           "continued MoE on the same batches. Gap = ConceptMoE - continued MoE, BPB on the conversions' "
+           "validation slice (the first val_tokens held-out tokens).", "",
            "| conversion | seeds | activated FLOPs vs MoE | compression | continued MoE | converted | gap | "
            "95% interval | answer |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
@@ -100,11 +112,11 @@ def markdown(rec: dict) -> str:
                    f"{_ci(r)} | {r['verdict']} |")
     sc = rec.get("scratch")
     if sc:
-        out += ["", f"From scratch ({sc['tokens']} tokens, the conversion's total): BPB "
-                + ", ".join(f"seed {s} {v:.4f}" for s, v in sc["bpb"].items())]
+        out += ["", f"From scratch ({sc['tokens']} tokens, the conversion's total), on the conversions' "
+                "validation slice: BPB " + ", ".join(f"seed {s} {v:.4f}" for s, v in sc["bpb"].items())]
         v = sc.get("vs_continued_moe")
         if v:
-            out.append(f"; against the continued MoE of the same seed: {v['mean']:+.4f} {_ci(v)} ({v['verdict']}).")
+            out[-1] += f"; against the continued MoE of the same seed: {v['mean']:+.4f} {_ci(v)} ({v['verdict']})."
     return "\n".join(out) + "\n"
 
 
@@ -115,8 +127,12 @@ def main() -> int:
     ap.add_argument("--scratch", type=Path, action="append", default=[])
     ap.add_argument("--record-dir", type=Path, default=HERE)
     a = ap.parse_args()
-    scratch = dict(read_scratch(p) for p in a.scratch)
-    rec = build([read_ct(p) for p in a.cts], scratch)
+    cts = [read_ct(p) for p in a.cts]
+    slices = {c["val_tokens"] for c in cts}
+    if len(slices) != 1:
+        raise SystemExit(f"error: the conversions were validated on different slices ({sorted(slices)} tokens)")
+    scratch = dict(read_scratch(p, slices.pop()) for p in a.scratch)
+    rec = build(cts, scratch)
     path = a.record_dir / f"{a.name}.json"
     path.write_text(json.dumps(rec, indent=1, allow_nan=False) + "\n")
     path.with_suffix(".md").write_text(markdown(rec))
