@@ -239,7 +239,7 @@ def gather_concepts(h: torch.Tensor, p: torch.Tensor, b: torch.Tensor,
     counts = b.sum(1)  # (B,)
     C = int(counts.max())
     if pad_to > 1:
-        C = max(C, min(-(-C // pad_to) * pad_to, T))
+        C = min(-(-C // pad_to) * pad_to, T)  # C <= T already
     cidx = b.long().cumsum(1) - 1  # (B, T) j(t)
     rows, cols = b.nonzero(as_tuple=True)
     slots = cidx[rows, cols]

@@ -1,6 +1,6 @@
 """The paper's conversion over independent pretrained MoEs (issue 44, round 3 §3): one table.
 
-    python docs/study/round3/conversion.py NAME CT_DIR_OR_REPORT ... [--scratch RUN_OR_EVAL ...]
+    python docs/study/round3/conversion.py NAME CT_DIR_OR_REPORT ... [--scratch RUN ...]
 
 Each CT is one seed's ``conceptmoe compare --init`` output (its report.json, or the directory
 holding it): the pretrained MoE of that seed continued beside its conversions (R = 1.5 / 2,
@@ -30,11 +30,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from interval import interval  # noqa: E402
+from interval import ci_text, interval  # noqa: E402
 
 
 def read_ct(path: Path) -> dict:
-    """{seed, moe: bpb, variants: {label: {bpb, flops, compression, ratio}}, moe_flops, pretrained}."""
+    """{seed, pretrained, tokens, val_tokens, moe: {bpb, flops, compression}, variants: {label: the same}}."""
     rep = json.loads((path / "report.json" if path.is_dir() else path).read_text())
     seed = int(rep["settings"]["seed"])
     out = {"seed": seed, "pretrained": rep["init"], "tokens": rep["settings"]["tokens"],
@@ -42,8 +42,7 @@ def read_ct(path: Path) -> dict:
     for m in rep["models"]:
         if m["seeds"] != [seed]:
             raise SystemExit(f"error: {path}: one seed per conversion record (got {m['seeds']} for {m['label']})")
-        fig = {"bpb": m["val_bpb"], "flops": m["activated_flops_per_token"], "compression": m["compression"],
-               "ratio": m.get("ratio", 1.0), "name": m["name"]}
+        fig = {"bpb": m["val_bpb"], "flops": m["activated_flops_per_token"], "compression": m["compression"]}
         if m["label"] == "moe":
             out["moe"] = fig
         else:
@@ -63,7 +62,7 @@ def read_scratch(run: Path, val_tokens: int) -> tuple[int, dict]:
     full = run / "eval.json"
     return int(cfg["train"]["seed"]), {"bpb": json.loads(cached.read_text())["val_bpb"],
                                        "bpb_heldout": json.loads(full.read_text())["val_bpb"] if full.is_file() else None,
-                                       "tokens": cfg["train"]["tokens"], "name": cfg.get("name") or run.name}
+                                       "tokens": cfg["train"]["tokens"]}
 
 
 def build(cts: list[dict], scratch: dict[int, dict]) -> dict:
@@ -94,11 +93,6 @@ def build(cts: list[dict], scratch: dict[int, dict]) -> dict:
     return rec
 
 
-def _ci(r: dict) -> str:
-    lo, hi = r["ci95"]
-    return "-" if lo is None else f"[{lo:+.4f}, {hi:+.4f}]"
-
-
 def markdown(rec: dict) -> str:
     out = [f"Conversions of {len(rec['seeds'])} independently pretrained MoE(s) (seeds "
            f"{', '.join(map(str, rec['seeds']))}), each continued {rec['continued_tokens']} tokens beside the "
@@ -109,14 +103,14 @@ def markdown(rec: dict) -> str:
     for r in rec["rows"]:
         out.append(f"| {r['label']} | {len(r['seeds'])} | {r['flops_vs_moe']:.2f}x | {r['compression']:.2f} | "
                    f"{statistics.fmean(r['moe']):.4f} | {statistics.fmean(r['cm']):.4f} | {r['mean']:+.4f} | "
-                   f"{_ci(r)} | {r['verdict']} |")
+                   f"{ci_text(r)} | {r['verdict']} |")
     sc = rec.get("scratch")
     if sc:
         out += ["", f"From scratch ({sc['tokens']} tokens, the conversion's total), on the conversions' "
                 "validation slice: BPB " + ", ".join(f"seed {s} {v:.4f}" for s, v in sc["bpb"].items())]
         v = sc.get("vs_continued_moe")
         if v:
-            out[-1] += f"; against the continued MoE of the same seed: {v['mean']:+.4f} {_ci(v)} ({v['verdict']})."
+            out[-1] += f"; against the continued MoE of the same seed: {v['mean']:+.4f} {ci_text(v)} ({v['verdict']})."
     return "\n".join(out) + "\n"
 
 

@@ -94,6 +94,12 @@ def interval(gaps: list[float]) -> dict:
     return {"n": n, "mean": mean, "sd": sd, "ci95": [lo, hi], "verdict": verdict}
 
 
+def ci_text(res: dict) -> str:
+    """An interval's 95% CI as "[lo, hi]", or "-" when there is none (one seed)."""
+    lo, hi = res["ci95"]
+    return f"[{lo:+.4f}, {hi:+.4f}]" if lo is not None else "-"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("name")
@@ -112,9 +118,8 @@ def main() -> int:
            "gaps": gaps, **interval(gaps),
            "per_seed": {k: {str(s): v for s, v in sorted(d.items())} for k, d in m.items()}}  # unpaired too
     (HERE / f"{a.name}.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
-    lo, hi = res["ci95"]
-    ci = f"[{lo:+.4f}, {hi:+.4f}]" if lo is not None else "-"
-    print(f"{a.name}: {res['n']} seeds, gap {res['mean']:+.4f} (sd {res['sd'] or 0:.4f}), 95% CI {ci}: {res['verdict']}")
+    print(f"{a.name}: {res['n']} seeds, gap {res['mean']:+.4f} (sd {res['sd'] or 0:.4f}), 95% CI {ci_text(res)}: "
+          f"{res['verdict']}")
     return 0
 
 

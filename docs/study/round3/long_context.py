@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from interval import interval as paired  # noqa: E402
+from interval import ci_text, interval as paired  # noqa: E402
 
 from conceptmoe.data.corpus import DOC_SEP, check_record, load_corpus  # noqa: E402
 from conceptmoe.data.tokenizer import byte_lengths, encode_documents  # noqa: E402
@@ -236,11 +236,9 @@ def contrasts(runs: dict[int, dict[int, dict]], lab: str) -> dict[str, dict]:
     def g(m: dict, k: str) -> float:
         return figures(m[lab])[k] - figures(m["moe"])[k]
     pairs = {L: {s: m for s, m in by.items() if len(m) == 2} for L, by in runs.items()}
-    out = {}
     pairs = {L: by for L, by in pairs.items() if by and LATE in figures(next(iter(by.values()))["moe"])}
-    for L, by in sorted(pairs.items()):
-        if by:
-            out[f"late - early gap at {L}"] = contrast([g(m, LATE) - g(m, EARLY) for m in by.values()])
+    out = {f"late - early gap at {L}": contrast([g(m, LATE) - g(m, EARLY) for m in by.values()])
+           for L, by in sorted(pairs.items())}
     if 2048 in pairs and 256 in pairs:
         both = sorted(set(pairs[2048]) & set(pairs[256]))
         for k in ("val_bpb", LATE):
@@ -265,8 +263,7 @@ def markdown(record: dict) -> str:
             else:
                 moe = statistics.fmean(figures(m["moe"])[k] for m in pairs)
                 cm = statistics.fmean(figures(m[lab])[k] for m in pairs)
-            ci = f"[{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else "-"
-            out.append(f"| {k} | {moe:.4f} | {cm:.4f} | {g['mean']:+.4f} | {ci} | {g['verdict']} |")
+            out.append(f"| {k} | {moe:.4f} | {cm:.4f} | {g['mean']:+.4f} | {ci_text(g)} | {g['verdict']} |")
         out.append("")
     if record.get("contrasts"):
         out += ["### Is the ConceptMoE's gap smaller where the context is long?", "",
@@ -274,8 +271,7 @@ def markdown(record: dict) -> str:
                 "relatively better at the later positions / the longer training length.", "",
                 "| contrast | seeds | mean | 95% interval | answer |", "|---|---|---|---|---|"]
         for k, c in record["contrasts"].items():
-            ci = f"[{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"][0] is not None else "-"
-            out.append(f"| {k} | {c['n']} | {c['mean']:+.4f} | {ci} | {c['verdict']} |")
+            out.append(f"| {k} | {c['n']} | {c['mean']:+.4f} | {ci_text(c)} | {c['verdict']} |")
         out.append("")
     return "\n".join(out)
 
@@ -345,11 +341,9 @@ def main() -> None:
     for L, gaps in record["gaps"].items():
         print(f"\nseq_len {L}: gap {a.label} - moe")
         for k, g in gaps.items():
-            ci = f"  95% CI [{g['ci95'][0]:+.4f}, {g['ci95'][1]:+.4f}]" if g["ci95"][0] is not None else ""
-            print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}{ci}  {g['verdict']}")
+            print(f"  {k:24s} n={g['n']}  {g['mean']:+.4f}  95% CI {ci_text(g)}  {g['verdict']}")
     for k, c in record["contrasts"].items():
-        ci = f"  95% CI [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}]" if c["ci95"][0] is not None else ""
-        print(f"{k:38s} n={c['n']}  {c['mean']:+.4f}{ci}  {c['verdict']}")
+        print(f"{k:38s} n={c['n']}  {c['mean']:+.4f}  95% CI {ci_text(c)}  {c['verdict']}")
     print(f"wrote {path}")
 
 
