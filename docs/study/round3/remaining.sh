@@ -26,10 +26,14 @@ convert_seed() {  # the conversions of seed $1 beside its continued MoE, $2 jobs
       --tokens 1200000 --seeds "$1" --jobs "$2" --dtype fp32 --out runs/study3/ct-s"$1"
 }
 
-train_once runs/study3/scratch3.6M-s0 --data python-stdlib --tokens 3600000 --seed 0 --dtype fp32 \
-    > runs/study3/scratch3.6M-s0.log 2>&1 &
-convert_seed 1 1 > runs/study3/ct-s1.log 2>&1
+scratch() {  # the default ConceptMoE from scratch for the conversion's total tokens, seed $1
+  train_once runs/study3/scratch3.6M-s$1 --data python-stdlib --tokens 3600000 --seed "$1" --dtype fp32 \
+      > runs/study3/scratch3.6M-s$1.log 2>&1
+}
+
+# two lanes, one single-thread process each
+( convert_seed 1 1 > runs/study3/ct-s1.log 2>&1; scratch 0; scratch 1; scratch 2 ) &
+convert_seed 2 1 > runs/study3/ct-s2.log 2>&1
 wait
-convert_seed 2 2 > runs/study3/ct-s2.log 2>&1
 # then: python docs/study/round3/conversion.py conversion docs/study/round3/ct-s0 runs/study3/ct-s1 \
-#           runs/study3/ct-s2 --scratch runs/study3/scratch3.6M-s0
+#           runs/study3/ct-s2 --scratch runs/study3/scratch3.6M-s0 runs/study3/scratch3.6M-s1 ...
