@@ -85,3 +85,22 @@ def test_another_thread_count_is_named_on_resume():
     assert "threads 1 -> 2" in note
     assert differences(start, {**start, "cpu_flags": ["avx2", "avx512f"]}) == [
         "cpu_flags 1 flags -> 2 flags (another instruction set)"]
+
+
+def test_cuda_determinism_setting(monkeypatch):
+    """CONCEPTMOE_CUDA_DETERMINISM: strict by default (flash attention's deterministic backward,
+    no cuDNN attention: warn-only mode ran non-deterministic backwards on an H200), warn on request,
+    anything else refused on every device; a change of mode is named on resume."""
+    from conceptmoe.errors import UserError
+    from conceptmoe.training import reproducible
+
+    monkeypatch.delenv(reproducible.CUDA_DETERMINISM_ENV, raising=False)
+    assert reproducible.cuda_determinism() == "strict"
+    monkeypatch.setenv(reproducible.CUDA_DETERMINISM_ENV, " Warn ")
+    assert reproducible.cuda_determinism() == "warn"
+    monkeypatch.setenv(reproducible.CUDA_DETERMINISM_ENV, "loose")
+    with pytest.raises(UserError, match="expected strict or warn"):
+        reproducible.make_deterministic(torch.device("cpu"))
+    assert not torch.are_deterministic_algorithms_enabled()  # the CPU path changes nothing
+    env = {"torch": "2.13.0", "threads": 16, "world": 1, "gpu": "H200", "deterministic": "warn"}
+    assert differences(env, {**env, "deterministic": "strict"}) == ["deterministic warn -> strict"]

@@ -10,7 +10,11 @@ thread against two differs by ~5e-7 in the loss after a few steps, and boundary 
 amplifies the difference, see docs/training.md) and the same machine's kernels (AVX2 against
 AVX-512, AMX bf16 against emulated). On CUDA the scatter-adds of the expert dispatch and the
 attention backward are not deterministic by default: ``make_deterministic`` asks torch for its
-deterministic kernels.
+deterministic kernels. Strictly by default: with ``warn_only=True`` torch only warns for flash and
+cuDNN attention and runs their non-deterministic backward (seen on an H200); strict mode makes
+flash attention's backward deterministic and keeps SDPA off the backends that have none.
+``CONCEPTMOE_CUDA_DETERMINISM=warn`` relaxes it (faster, not bit-identical; an op with no
+deterministic kernel then warns instead of stopping the run).
 
 ``environment()`` is recorded in config.json at the start of a run; a resumed session on another
 environment is named in one line (its numbers go on, but are no longer bit-identical to an
@@ -25,28 +29,44 @@ from typing import Any
 import torch
 
 from ..device import machine
+from ..errors import UserError
 
 # What changes the arithmetic of a run: compared on --resume.
-ARITHMETIC = ("torch", "threads", "world", "cpu_model", "cpu_flags", "gpu")
+ARITHMETIC = ("torch", "threads", "world", "cpu_model", "cpu_flags", "gpu", "deterministic")
 
 
 def environment(world: int, device: torch.device) -> dict[str, Any]:
     """The machine, torch build, thread count and process count of this session."""
     env = {**machine(), "threads": torch.get_num_threads(), "world": world, "device": device.type}
     if device.type == "cuda":
-        env["deterministic"] = torch.are_deterministic_algorithms_enabled()
+        env["deterministic"] = ("off" if not torch.are_deterministic_algorithms_enabled() else
+                                "warn" if torch.is_deterministic_algorithms_warn_only_enabled() else "strict")
     return env
 
 
+CUDA_DETERMINISM_ENV = "CONCEPTMOE_CUDA_DETERMINISM"
+
+
+def cuda_determinism() -> str:
+    """``strict`` (default) or ``warn``: the ``CONCEPTMOE_CUDA_DETERMINISM`` setting."""
+    mode = os.environ.get(CUDA_DETERMINISM_ENV, "strict").strip().lower() or "strict"
+    if mode not in ("strict", "warn"):
+        raise UserError(f"{CUDA_DETERMINISM_ENV}={mode!r}: expected strict or warn")
+    return mode
+
+
 def make_deterministic(device: torch.device) -> None:
-    """On CUDA: deterministic kernels (index_add / scatter_add through sorting, cuBLAS with a fixed
-    workspace; ops that have none warn instead of failing). CPU kernels are deterministic for a
-    fixed thread count already, so nothing changes there."""
+    """On CUDA: deterministic kernels (index_add / scatter_add through sorting, flash attention's
+    deterministic backward, cuBLAS with a fixed workspace). ``strict`` (default): an op with no
+    deterministic kernel stops the run with torch's error; ``warn``: it warns and runs (attention
+    backward then is not deterministic). CPU kernels are deterministic for a fixed thread count
+    already, so nothing changes there."""
+    mode = cuda_determinism()  # a bad setting is refused on any device
     if device.type != "cuda":
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
 
 
 def differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
