@@ -27,13 +27,16 @@ def _ct(path: Path, seed: int, moe: float, r15: float, r2: float) -> Path:
 def test_conversion_table_pairs_each_seed_with_its_own_continued_moe(tmp_path):
     cts = [_ct(tmp_path / f"ct{s}", s, 1.60 + s / 100, 1.62 + s / 100 + e, 1.65 + s / 100)
            for s, e in ((0, 0.0), (1, 0.002), (2, -0.002))]
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    (scratch / "eval.json").write_text(json.dumps({"val_bpb": 1.45}))  # the whole held-out split
-    (scratch / "eval-slice-32768.json").write_text(json.dumps({"val_bpb": 1.55}))  # the conversions' slice
-    (scratch / "config.json").write_text(json.dumps({"name": "cm", "train": {"seed": 1, "tokens": 3600000}}))
+    scratch = []
+    for seed, full, part in ((1, 1.45, 1.55), (2, 1.46, 1.57)):
+        run = tmp_path / f"scratch{seed}"
+        run.mkdir()
+        (run / "eval.json").write_text(json.dumps({"val_bpb": full}))  # the whole held-out split
+        (run / "eval-slice-32768.json").write_text(json.dumps({"val_bpb": part}))  # the conversions' slice
+        (run / "config.json").write_text(json.dumps({"name": "cm", "train": {"seed": seed, "tokens": 3600000}}))
+        scratch.append(str(run))
     r = subprocess.run([sys.executable, str(STUDY / "conversion.py"), "conv", *map(str, cts), "--scratch",
-                        str(scratch), "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+                        *scratch, "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     rec = json.loads((tmp_path / "conv.json").read_text())
     assert rec["seeds"] == [0, 1, 2] and [row["label"] for row in rec["rows"]] == ["R1.5-loop2", "R2-topk"]
@@ -42,7 +45,8 @@ def test_conversion_table_pairs_each_seed_with_its_own_continued_moe(tmp_path):
     assert loop["verdict"] == "MoE ahead" and loop["flops_vs_moe"] == pytest.approx(1.2)
     assert topk["gaps"] == pytest.approx([0.05] * 3)
     sc = rec["scratch"]
-    assert sc["bpb"] == {"1": 1.55} and sc["bpb_heldout"] == {"1": 1.45} and sc["vs_continued_moe"]["gaps"] == pytest.approx([1.55 - 1.61])
+    assert sc["bpb"] == {"1": 1.55, "2": 1.57} and sc["bpb_heldout"] == {"1": 1.45, "2": 1.46}
+    assert sc["vs_continued_moe"]["gaps"] == pytest.approx([1.55 - 1.61, 1.57 - 1.62])
     assert "| R1.5-loop2 | 3 | 1.20x |" in (tmp_path / "conv.md").read_text()
     twice = subprocess.run([sys.executable, str(STUDY / "conversion.py"), "x", str(cts[0]), str(cts[0]),
                             "--record-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)

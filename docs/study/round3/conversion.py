@@ -118,14 +118,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name")
     ap.add_argument("cts", nargs="+", type=Path)
-    ap.add_argument("--scratch", type=Path, action="append", default=[])
+    ap.add_argument("--scratch", type=Path, action="extend", nargs="+", default=[])
     ap.add_argument("--record-dir", type=Path, default=HERE)
     a = ap.parse_args()
     cts = [read_ct(p) for p in a.cts]
     slices = {c["val_tokens"] for c in cts}
     if len(slices) != 1:
         raise SystemExit(f"error: the conversions were validated on different slices ({sorted(slices)} tokens)")
-    scratch = dict(read_scratch(p, slices.pop()) for p in a.scratch)
+    val_tokens = slices.pop()
+    scratch = dict(read_scratch(p, val_tokens) for p in a.scratch)
     rec = build(cts, scratch)
     path = a.record_dir / f"{a.name}.json"
     path.write_text(json.dumps(rec, indent=1, allow_nan=False) + "\n")
