@@ -229,6 +229,12 @@ def ratio_loss_fg(Fm: torch.Tensor, G: torch.Tensor, R: float) -> torch.Tensor:
     return R / (R - 1) * ((R - 1) * Fm * G + (1 - Fm) * (1 - G))
 
 
+def padded_count(longest: int, pad_to: int, T: int) -> int:
+    """The concept tensor's length: the longest row's count rounded up to a multiple of ``pad_to``,
+    at most T (``gather_concepts``)."""
+    return min(-(-longest // pad_to) * pad_to, T) if pad_to > 1 else longest
+
+
 def gather_concepts(h: torch.Tensor, p: torch.Tensor, b: torch.Tensor,
                     pooling: str = "boundary", pad_to: int = 1) -> Chunks:
     """Select the concept vectors of each row into a right-padded (B, C, D) tensor.
@@ -237,9 +243,7 @@ def gather_concepts(h: torch.Tensor, p: torch.Tensor, b: torch.Tensor,
     the concept layers see few distinct lengths; the extra slots are padding like any other."""
     B, T, D = h.shape
     counts = b.sum(1)  # (B,)
-    C = int(counts.max())
-    if pad_to > 1:
-        C = min(-(-C // pad_to) * pad_to, T)  # C <= T already
+    C = padded_count(int(counts.max()), pad_to, T)
     cidx = b.long().cumsum(1) - 1  # (B, T) j(t)
     rows, cols = b.nonzero(as_tuple=True)
     slots = cidx[rows, cols]

@@ -1,7 +1,6 @@
 """How much padding a batch's concept tensor carries: each row's concepts are padded to the batch's
 longest row (and, on CUDA, to a multiple of 64), so the concept layers' attention and dense parts
-work on more than the real concepts. The bench's random tokens give near-equal rows; real text
-does not. This measures it with a trained ConceptMoE on held-out text, training-mode boundaries
+work on more than the real concepts. This measures it with a trained ConceptMoE on held-out text, training-mode boundaries
 (with the boundary noise), one forward of the encoder and router per batch.
 
     python docs/study/gpu/padding.py RUN --out docs/study/gpu/padding.json [--batches 8]
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from conceptmoe.data.corpus import load_corpus
-from conceptmoe.model.chunking import boundaries
+from conceptmoe.model.chunking import boundaries, padded_count
 from conceptmoe.training.checkpoint import load_run
 
 
@@ -47,7 +46,7 @@ def main() -> None:
             p = model.route(h, None)
             c = boundaries(p, True, cfg.boundary_noise, cfg.boundary_sharpness_final, None).sum(1).float()
             longest = int(c.max())
-            bucketed = -(-longest // a.bucket) * a.bucket
+            bucketed = padded_count(longest, a.bucket, T)
             rows.append({"mean": float(c.mean()), "min": int(c.min()), "max": longest,
                          "padded_over_real": longest * B / float(c.sum()),
                          "bucketed_over_real": bucketed * B / float(c.sum())})

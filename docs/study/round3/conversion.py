@@ -54,7 +54,7 @@ def read_scratch(run: Path, val_tokens: int) -> tuple[int, dict]:
     cfg = json.loads((run / "config.json").read_text())
     cached = run / f"eval-slice-{val_tokens}.json"
     if not cached.is_file():
-        r = subprocess.run(["conceptmoe", "eval", str(run), "--val-tokens", str(val_tokens), "--json"],
+        r = subprocess.run([sys.executable, "-m", "conceptmoe", "eval", str(run), "--val-tokens", str(val_tokens), "--json"],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"error: conceptmoe eval {run} failed: {r.stderr.strip().splitlines()[-1:]}")
