@@ -20,7 +20,7 @@ from hf_helpers import concept_run, left_padded
 
 from conceptmoe.cli import main
 from conceptmoe.interop.hf_cache import ConceptMoECache
-from conceptmoe.interop.hf_model import ConceptMoEForCausalLM
+from conceptmoe.interop.hf_model import CACHE_FIELD, ConceptMoEForCausalLM
 
 PROMPTS = [[5, 17, 250, 3, 99, 42, 7], [8], [300, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [64, 65]]
 
@@ -148,15 +148,16 @@ def test_cache_argument_and_its_deprecated_alias(hf, exported):
     seq = torch.tensor([PROMPTS[2]])
     full = ours(seq).logits[0]
     out = hf(input_ids=seq[:, :5], use_cache=True)
-    assert isinstance(out.cache, ConceptMoECache) and out.cache.get_seq_length() == 5
+    cache = getattr(out, CACHE_FIELD)  # "cache" from transformers 5.20 on, "past_key_values" before
+    assert isinstance(cache, ConceptMoECache) and cache.get_seq_length() == 5
     assert not type(hf)._supports_default_dynamic_cache()
-    nxt = hf(input_ids=seq[:, 5:9], cache=out.cache)  # several tokens at once through the cache
+    nxt = hf(input_ids=seq[:, 5:9], cache=cache)  # several tokens at once through the cache
     assert (nxt.logits[0] - full[5:9]).abs().max() < 1e-4
-    last = hf(input_ids=seq[:, 9:10], past_key_values=nxt.cache)  # deprecated name still works
+    last = hf(input_ids=seq[:, 9:10], past_key_values=getattr(nxt, CACHE_FIELD))  # deprecated name still works
     assert (last.logits[0, -1] - full[9]).abs().max() < 1e-4
-    assert out.cache.state.concept_counts() == [int(ours(seq[:, :10]).boundaries.sum())]
+    assert cache.state.concept_counts() == [int(ours(seq[:, :10]).boundaries.sum())]
     with pytest.raises(NotImplementedError, match="roll back"):
-        out.cache.crop(1)
+        cache.crop(1)
 
 
 def test_save_pretrained_round_trip_is_exact(hf, tmp_path):

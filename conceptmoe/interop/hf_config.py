@@ -208,7 +208,9 @@ def hf_config_from_model(cfg: ModelConfig, arch: str) -> dict[str, Any]:
 
     Qwen2-MoE always has a gated shared expert: a run without a gate gets gate weight 0 and
     twice the down projection (sigmoid(0) = 0.5, exact in floating point); a run without a
-    shared expert gets one of width 1 with zero weights (contributes exactly 0).
+    shared expert gets one of width 1 with zero weights (contributes exactly 0). Qwen2-MoE always
+    declares q/k/v biases (``qkv_bias: true``; zeros for a run without them): vLLM's Qwen2-MoE builds
+    them whatever the config says and, finding none in the checkpoint, leaves them uninitialised.
     """
     check_exportable(cfg, arch)
     bias = cfg.attn_bias != "none"  # olmoe/qwen3_moe: a q/k/v-only run gets a zero o_proj bias
@@ -226,7 +228,7 @@ def hf_config_from_model(cfg: ModelConfig, arch: str) -> dict[str, Any]:
     elif arch == "qwen2_moe":
         shared = cfg.n_shared_experts * cfg.shared_size or 1
         out.update(moe_intermediate_size=cfg.expert_hidden, shared_expert_intermediate_size=shared,
-                   intermediate_size=shared, qkv_bias=bias, use_sliding_window=False,
+                   intermediate_size=shared, qkv_bias=True, use_sliding_window=False,
                    decoder_sparse_step=1, mlp_only_layers=[])
     else:
         out.update(moe_intermediate_size=cfg.expert_hidden, intermediate_size=cfg.expert_hidden,

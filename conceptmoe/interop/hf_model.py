@@ -44,6 +44,9 @@ from .hf_cache import ConceptMoECache
 from .hf_remote_code import AUTO_MAP, write_remote_code
 
 MODEL_TYPE = "conceptmoe"
+# transformers >= 5.20 names the returned cache ``cache``; earlier 5.x (the range vLLM 0.32 pins)
+# ``past_key_values``, which generate() then reads. Return it under whichever name this one has.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class ConceptMoEConfig(PreTrainedConfig):
@@ -179,7 +182,7 @@ class ConceptMoEForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
     def _forward_new(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  cache: ConceptMoECache | None, logits_to_keep: int, ratio=None,

@@ -168,6 +168,9 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, arch: str, fused: bo
             out[f"{p}self_attn.{theirs}.bias"] = state[f"{q}attn.{ours}.bias"]
         if arch != "qwen2_moe" and cfg.attn_bias == "qkv":  # attention_bias covers o_proj too: zero
             out[p + "self_attn.o_proj.bias"] = torch.zeros(d)
+        if arch == "qwen2_moe" and cfg.attn_bias == "none":  # qkv_bias is always true there: zeros
+            for ours, theirs in ATTN[:3]:
+                out[f"{p}self_attn.{theirs}.bias"] = torch.zeros(state[f"{q}attn.{ours}.weight"].shape[0])
         if cfg.qk_norm != "none":
             out[p + "self_attn.q_norm.weight"] = state[q + "attn.q_norm.weight"]
             out[p + "self_attn.k_norm.weight"] = state[q + "attn.k_norm.weight"]
