@@ -104,3 +104,24 @@ def test_cuda_determinism_setting(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()  # the CPU path changes nothing
     env = {"torch": "2.13.0", "threads": 16, "world": 1, "gpu": "H200", "deterministic": "warn"}
     assert differences(env, {**env, "deterministic": "strict"}) == ["deterministic warn -> strict"]
+
+
+def test_a_run_names_its_code_commit(tmp_path):
+    """config.json's environment names the checkout's commit (issue 53: a study record gives each
+    run's code), "+dirty" when tracked files differ from it, "unknown" outside a checkout."""
+    import subprocess
+
+    from conceptmoe.training.reproducible import code_commit
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout
+
+    assert code_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("x = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = git("rev-parse", "HEAD").strip()
+    assert code_commit(tmp_path) == head and len(head) == 40
+    (tmp_path / "f.py").write_text("x = 2\n")
+    assert code_commit(tmp_path) == head + "+dirty"

@@ -24,6 +24,8 @@ uninterrupted run) and appended to the record.
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,9 +37,23 @@ from ..errors import UserError
 ARITHMETIC = ("torch", "threads", "world", "cpu_model", "cpu_flags", "gpu", "deterministic")
 
 
+def code_commit(where: Path = Path(__file__).resolve().parents[1]) -> str:
+    """The git commit of the package's checkout, "+dirty" when its files differ from it; "unknown"
+    outside a checkout. Not part of ``ARITHMETIC``: a study record names it beside each run."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def environment(world: int, device: torch.device) -> dict[str, Any]:
-    """The machine, torch build, thread count and process count of this session."""
-    env = {**machine(), "threads": torch.get_num_threads(), "world": world, "device": device.type}
+    """The machine, torch build, thread count, process count and code commit of this session."""
+    env = {**machine(), "threads": torch.get_num_threads(), "world": world, "device": device.type,
+           "commit": code_commit()}
     if device.type == "cuda":
         env["deterministic"] = ("off" if not torch.are_deterministic_algorithms_enabled() else
                                 "warn" if torch.is_deterministic_algorithms_warn_only_enabled() else "strict")
