@@ -13,6 +13,12 @@ seed (a seed fixes the initialisation and the batch order of both models), and w
 docs/study/round3/NAME.json: the per-seed gaps (ConceptMoE - MoE, > 0: the MoE is better), their
 mean, standard deviation and Student-t 95% interval, and the verdict the issue asks for: "level"
 when the interval lies within ±0.01, who wins when it excludes 0, else "unresolved".
+
+Every run also leaves its provenance (issue 53), ``provenance[seed][moe|cm]``: machine (CPU model
+and flags), code commit, the resolved recipe, precision, threads and processes, realised
+compression and wall time, read from the run's config.json, recipe.toml, eval.json and
+metrics.jsonl; ``--jobs`` (processes at once) is not in a run's files, so it is given here. A
+``--keep`` record's provenance is carried; what a record cannot say is "unknown".
 """
 
 from __future__ import annotations
@@ -63,6 +69,41 @@ def per_seed_of_summary(path: Path, label: str) -> dict[str, dict[int, float]]:
     return out
 
 
+UNKNOWN = "unknown"
+
+
+def provenance_of_run(run: Path, jobs: int | str = UNKNOWN) -> dict:
+    """What one finished run says about how it was made (``UNKNOWN`` where it says nothing)."""
+    cfg = json.loads((run / "config.json").read_text())
+    env = (cfg.get("environment") or {}).get("start", {})
+    resumed = (cfg.get("environment") or {}).get("resumed_on", [])
+    ev = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"tokens_per_s"' in line]
+    prev, train_s = 0, 0.0
+    for m in steps:  # tokens is cumulative, tokens_per_s is that step's: training time, validation excluded
+        train_s += (m["tokens"] - prev) / m["tokens_per_s"]
+        prev = m["tokens"]
+    return {"machine": {"cpu_model": env.get("cpu_model", UNKNOWN), "cpu_flags": env.get("cpu_flags", UNKNOWN),
+                        "gpu": env.get("gpu")},
+            "commit": env.get("commit", UNKNOWN), "recipe": (run / "recipe.toml").read_text()
+            if (run / "recipe.toml").is_file() else UNKNOWN,
+            "precision": cfg.get("precision", UNKNOWN), "threads": env.get("threads", UNKNOWN),
+            "processes": {"world": env.get("world", UNKNOWN), "jobs": jobs},
+            "torch": env.get("torch", UNKNOWN), "resumed_on": len(resumed),
+            "compression": ev.get("compression", UNKNOWN), "train_s": round(train_s, 1) if steps else UNKNOWN,
+            "wall_s": UNKNOWN, "source": str(run)}
+
+
+def provenance_of_report(path: Path, label: str, jobs: int | str) -> dict[str, dict[str, dict]]:
+    """Each seed's runs of a compare output (finished runs only)."""
+    out: dict[str, dict[str, dict]] = {}
+    for kind, lab in (("moe", "moe"), ("cm", label)):
+        for run in sorted((path / lab).glob("seed*")):
+            if (run / "eval.json").is_file():
+                out.setdefault(run.name.removeprefix("seed"), {})[kind] = provenance_of_run(run, jobs)
+    return out
+
+
 def merge(sources: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:
     merged: dict[str, dict[int, float]] = {"moe": {}, "cm": {}}
     for src in sources:
@@ -106,6 +147,7 @@ def main() -> int:
     p.add_argument("dirs", nargs="*", type=Path)
     p.add_argument("--label", default="topk-R2")
     p.add_argument("--keep", action="append", type=Path, default=[])
+    p.add_argument("--jobs", default=UNKNOWN, help="runs trained at once by the compare of DIRS (not in its files)")
     a = p.parse_intermixed_args()
     sources = [per_seed_of_summary(k, a.label) for k in a.keep]
     sources += [per_seed_of_report(d, a.label) for d in a.dirs if d.is_dir()]
@@ -114,9 +156,17 @@ def main() -> int:
     if not seeds:
         raise SystemExit("error: no seed has both models")
     gaps = [m["cm"][s] - m["moe"][s] for s in seeds]
+    prov: dict[str, dict] = {}
+    for k in a.keep:  # a record's hand-recovered provenance, then what run directories say
+        prov.update(json.loads(k.read_text()).get("provenance", {}))
+    for d in a.dirs:
+        if d.is_dir():
+            for s, runs in provenance_of_report(d, a.label, a.jobs).items():
+                prov[s] = {**prov.get(s, {}), **runs}
     res = {"label": a.label, "seeds": seeds, "moe": [m["moe"][s] for s in seeds], "cm": [m["cm"][s] for s in seeds],
            "gaps": gaps, **interval(gaps),
-           "per_seed": {k: {str(s): v for s, v in sorted(d.items())} for k, d in m.items()}}  # unpaired too
+           "per_seed": {k: {str(s): v for s, v in sorted(d.items())} for k, d in m.items()},  # unpaired too
+           "provenance": {str(s): prov.get(str(s), {"moe": UNKNOWN, "cm": UNKNOWN}) for s in seeds}}
     (HERE / f"{a.name}.json").write_text(json.dumps(res, indent=2, allow_nan=False) + "\n")
     print(f"{a.name}: {res['n']} seeds, gap {res['mean']:+.4f} (sd {res['sd'] or 0:.4f}), 95% CI {ci_text(res)}: "
           f"{res['verdict']}")
