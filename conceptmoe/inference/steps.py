@@ -43,6 +43,7 @@ from .cache import ChunkState, DechunkState, InferenceState, KVCache
 class StepOutput:
     logits: torch.Tensor  # (B, V) next-token logits of each row
     boundary: torch.Tensor | None = None  # (B,) bool: the fed token started a concept (ConceptMoE)
+    hidden: torch.Tensor | None = None  # (B, T, D) last layer's states of every position (prefill, on request)
 
 
 def _rope(model, pos: torch.Tensor, dtype: torch.dtype):
@@ -87,13 +88,15 @@ def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
             extra_capacity: int = 0, pixel_values: torch.Tensor | None = None,
-            ratio: float | torch.Tensor | None = None, extrapolate: bool = False) -> tuple[StepOutput, InferenceState]:
+            ratio: float | torch.Tensor | None = None, extrapolate: bool = False,
+            keep_hidden: bool = False) -> tuple[StepOutput, InferenceState]:
     """Forward over right-padded prompts (B, T); returns last-token logits and the state.
 
     ``extra_capacity``: token entries to preallocate for the tokens still to come.
     ``pixel_values`` (B, N, C, H, W): the images whose placeholders the prompts hold.
     ``ratio``: an elastic ConceptMoE's R, one number or one per row (B,); kept for the decode steps
     (outside the trained range only with ``extrapolate``, as ``model(ids, ratio=, extrapolate=)``).
+    ``keep_hidden``: also return the last layer's states of every position (prompt log-probabilities).
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -112,8 +115,11 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
             x = _block_prefill(blk, x, cos, sin, cache, i, rows, model.dispatch)
         cache.lengths = lengths.tolist()
         logits = model.lm_head(model.norm(_last(x, lengths)))
-        return StepOutput(logits), InferenceState(tokens=cache)
-    return _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio, extrapolate)
+        return StepOutput(logits, hidden=x if keep_hidden else None), InferenceState(tokens=cache)
+    out, state = _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio, extrapolate)
+    if not keep_hidden:
+        out.hidden = None
+    return out, state
 
 
 def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None,
@@ -157,7 +163,7 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
                            dechunk=DechunkState(_last(z_tok, lengths)),
                            boundaries=[row.nonzero().flatten().tolist() for row in b])
     logits = model.lm_head(model.norm(_last(x, lengths)))
-    return StepOutput(logits, b), state
+    return StepOutput(logits, b, hidden=x), state
 
 
 def _router_input(h: torch.Tensor, terms) -> torch.Tensor:

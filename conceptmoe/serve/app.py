@@ -2,10 +2,13 @@
 
 Routes: ``POST /v1/completions`` (plain JSON or server-sent events ending in ``data: [DONE]``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /`` (the
-playground, one static page). Each completion becomes an engine ``Request``; the engine's events
-cross from its thread into an ``asyncio.Queue`` and become text (``text.py``). A client that goes
-away (a closed stream, or a plain request whose connection drops) cancels its request, so its row
-leaves the batch and its KV blocks are freed at the next decode step.
+playground, one static page). Each choice of a completion (``n`` per prompt, one or more prompts)
+becomes an engine ``Request``; the engine's events cross from its thread into one
+``asyncio.Queue`` per completion and become text and log-probabilities (``choice.py``). A client
+that goes away (a closed stream, or a plain request whose connection drops, checked at every
+token) cancels its requests, so their rows leave the batch and free their KV blocks at the next
+step. A choice the engine fails on ends the completion with OpenAI's error JSON (500, or an
+error event in a stream); the engine and other completions go on.
 
 Responses carry OpenAI's fields and, under the ``conceptmoe`` key that clients ignore, the concept
 boundaries of the returned tokens (completion token indices and character offsets), the request's
@@ -25,20 +28,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import Engine, Event, Refused
+from .choice import Choice
+from .engine import Engine, Refused
 from .engine import Request as EngineRequest
 from .metrics import Metrics
 from .protocol import ApiError, CompletionParams, Limits, error_body, parse_completion
-from .text import TextTracker
 
-POLL = 0.25  # seconds between disconnect checks of a plain (non-streamed) request
+POLL = 0.25  # seconds between disconnect checks of a plain (non-streamed) request while no token arrives
 
 
 def _err(status: int, message: str, kind: str = "invalid_request_error", param=None) -> JSONResponse:
     return JSONResponse(error_body(ApiError(status, message, param, kind)), status_code=status)
 
 
-def summary(engine: Engine, req: EngineRequest, tracker: TextTracker, ratio) -> dict:
+def summary(engine: Engine, req: EngineRequest, tracker, ratio) -> dict:
     """The ``conceptmoe`` extension of a finished request."""
     lay = engine.layout
     fed = req.fed
@@ -96,97 +99,137 @@ def create_app(engine: Engine, tok, limits: Limits, metrics: Metrics) -> FastAPI
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})")
         p = parse_completion(body, limits)
-        ids = tok.encode(p.prompt).ids if isinstance(p.prompt, str) else list(p.prompt)
-        if not ids:
+        prompts = [tok.encode(x).ids if isinstance(x, str) else list(x) for x in p.prompts]
+        if not all(prompts):
             raise ApiError(400, "'prompt' encodes to no tokens", "prompt")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        req = EngineRequest(ids, p.max_tokens, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                            eos=[] if p.ignore_eos else engine.eos, ratio=p.concept_ratio)
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for j in range(p.n):
+                index = pi * p.n + j
+                req = EngineRequest(
+                    ids, p.max_tokens, lambda ev, i=index: loop.call_soon_threadsafe(queue.put_nowait, (i, ev)),
+                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                    seed=None if p.seed is None else p.seed + j, eos=[] if p.ignore_eos else engine.eos,
+                    ratio=p.concept_ratio, repetition_penalty=p.repetition_penalty,
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    min_tokens=p.min_tokens, logit_bias=p.logit_bias, stop_token_ids=p.stop_token_ids,
+                    logprobs=p.logprobs, prompt_logprobs=p.logprobs if p.echo else None)
+                echo = (p.prompts[pi] if isinstance(p.prompts[pi], str) else tok.decode(ids)) if p.echo else None
+                choices.append(Choice(index, req, tok, p.stop, echo, p.logprobs is not None))
         try:
-            engine.submit(req)
+            for c in choices:
+                engine.submit(c.req)
         except Refused as e:
+            for c in choices:
+                engine.cancel(c.req)
             raise ApiError(e.status, str(e), kind="server_error" if e.status >= 500 else "invalid_request_error",
                            code="overloaded" if e.status == 503 else None)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": limits.model}
-        tracker = TextTracker(tok, p.stop)
+        done = Completion(engine, choices, queue, p)
         if p.stream:
-            return StreamingResponse(_stream(engine, req, queue, tracker, head, p), media_type="text/event-stream",
+            return StreamingResponse(_stream(done, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(engine, req, queue, tracker, head, p, request)
+        return await _collect(done, head, request)
 
     return app
 
 
-async def _next(queue: asyncio.Queue, engine: Engine, req: EngineRequest, tracker: TextTracker) -> Event:
-    """The engine's next event; a stop string met in the text ends the request here."""
-    ev = await queue.get()
-    tracker.add(ev.tokens)
-    if tracker.stopped and ev.finish_reason is None:
-        engine.cancel(req)
-        ev.finish_reason = "stop"
-    return ev
+class Completion:
+    """The choices of one completion and the queue their events arrive on."""
+
+    def __init__(self, engine: Engine, choices: list[Choice], queue: asyncio.Queue, p: CompletionParams) -> None:
+        self.engine, self.choices, self.queue, self.p = engine, choices, queue, p
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            self.engine.cancel(c.req)  # a no-op once finished
+
+    async def next(self, timeout: float | None = None) -> tuple[Choice, str, dict | None]:
+        i, ev = await asyncio.wait_for(self.queue.get(), timeout)
+        c = self.choices[i]
+        text, lp = c.take(ev, self.engine.cancel)
+        return c, text, lp
+
+    def failure(self) -> ApiError | None:
+        for c in self.choices:
+            if c.finish_reason == "error":
+                return ApiError(500, f"the engine failed on this request: {c.error}", kind="server_error")
+            if c.finish_reason == "cancelled":
+                return ApiError(503, "the server stopped before this request finished", kind="server_error")
+        return None
+
+    def usage(self) -> dict:
+        seen, prompt = set(), 0
+        for c in self.choices:  # each prompt counts once, whatever n
+            if c.index // self.p.n not in seen:
+                seen.add(c.index // self.p.n)
+                prompt += len(c.req.prompt)
+        completion = sum(c.tracker.count for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def summary(self, c: Choice) -> dict:
+        return summary(self.engine, c.req, c.tracker, self.p.concept_ratio)
 
 
-def _usage(req: EngineRequest) -> dict:
-    return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.generated),
-            "total_tokens": len(req.prompt) + len(req.generated)}
-
-
-def _failure(ev: Event) -> ApiError | None:
-    if ev.finish_reason == "error":
-        return ApiError(500, f"the engine failed on this request: {ev.error}", kind="server_error")
-    if ev.finish_reason == "cancelled":
-        return ApiError(503, "the server stopped before this request finished", kind="server_error")
-    return None
-
-
-async def _collect(engine, req, queue, tracker, head, p: CompletionParams, request: Request):
-    while True:
-        try:
-            ev = await asyncio.wait_for(_next(queue, engine, req, tracker), POLL)
-        except asyncio.TimeoutError:
+async def _collect(done: Completion, head: dict, request: Request):
+    try:
+        while not done.done:
+            try:
+                c, _, _ = await done.next(POLL)
+            except asyncio.TimeoutError:
+                c = None
+            # checked at every token too: a client gone while tokens arrive is noticed within a step
             if await request.is_disconnected():
-                engine.cancel(req)
+                done.cancel()
                 return _err(499, "client closed the request")
-            continue
-        if ev.finish_reason:
-            break
-    fail = _failure(ev)
+            if c is not None and c.finish_reason in ("error", "cancelled"):
+                break
+    finally:
+        if not done.done:
+            done.cancel()
+    fail = done.failure()
     if fail:
         raise fail
-    choice = {"index": 0, "text": tracker.pending(final=True), "logprobs": None, "finish_reason": ev.finish_reason}
-    return {**head, "choices": [choice], "usage": _usage(req),
-            "conceptmoe": summary(engine, req, tracker, p.concept_ratio)}
+    choices = [c.answer() for c in done.choices]
+    if len(choices) > 1:
+        for ch, c in zip(choices, done.choices):
+            ch["conceptmoe"] = done.summary(c)
+    return {**head, "choices": choices, "usage": done.usage(), "conceptmoe": done.summary(done.choices[0])}
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(engine, req, queue, tracker, head, p: CompletionParams):
+async def _stream(done: Completion, head: dict):
+    engine = done.engine
     try:
-        while True:
-            ev = await _next(queue, engine, req, tracker)
-            fail = _failure(ev)
+        while not done.done:
+            c, text, lp = await done.next()
+            fail = done.failure()
             if fail:
                 yield _sse(error_body(fail))
                 break
-            text = tracker.pending(final=ev.finish_reason is not None)
+            ev = c.last
             ext = {"tokens": len(ev.tokens)}
             if engine.concept:
-                ext.update(boundaries=ev.boundaries, boundary_offsets=tracker.offsets(ev.boundaries))
-            if ev.finish_reason:
-                ext["summary"] = summary(engine, req, tracker, p.concept_ratio)
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
-                yield _sse({**head, "choices": [choice], "usage": _usage(req), "conceptmoe": ext})
-                if p.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(req)})
-                break
-            if text or ev.tokens or ev.boundaries:
-                yield _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+                ext.update(boundaries=ev.boundaries, boundary_offsets=c.tracker.offsets(ev.boundaries))
+            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            if c.done:
+                ext["summary"] = done.summary(c)
+                last = done.done
+                yield _sse({**head, "choices": [choice], **({"usage": done.usage()} if last else {}),
                             "conceptmoe": ext})
+                if last and done.p.include_usage:
+                    yield _sse({**head, "choices": [], "usage": done.usage()})
+            elif text or lp or ev.tokens or ev.boundaries:
+                yield _sse({**head, "choices": [choice], "conceptmoe": ext})
         yield "data: [DONE]\n\n"
     finally:
-        engine.cancel(req)  # a no-op once finished; frees the row of a client that went away
+        done.cancel()  # a no-op once finished; frees the rows of a client that went away

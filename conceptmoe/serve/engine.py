@@ -10,9 +10,15 @@ finished leave the batch and free their blocks. Each request's ``emit`` callback
 
 Memory: a row's next token block is taken before the step that writes it, and a concept block
 only after a step in which the row hit a boundary; before each step the pool must have room for
-one concept block for every row whose concept blocks are full. When it has not, the most
-recently admitted row is preempted (its blocks freed, its prompt plus the tokens it has produced
-requeued at the front, recomputed by the next prefill), as vLLM does by default.
+one concept block for every row whose concept blocks are full. When it has not, the row that
+arrived last is preempted (its blocks freed, its prompt plus the tokens it has produced requeued
+at the front, recomputed by the next prefill), as vLLM does; a row re-admitted since the last
+step goes only if no other can, a lone row is never preempted for headroom, and admission
+leaves the running rows' next blocks free, so rows do not push each other out in turn.
+
+Isolation: a prefill that raises ends the requests of that prefill, a decode step that raises
+ends the rows of that step (each with an ``error`` event) and a row whose logits are not finite
+or whose sampling raises ends alone; waiting requests and the engine go on.
 
 Boundaries: the boundary of a token is decided when the token is fed to the model, i.e. one step
 after it was sampled; each event carries the boundaries decided in that step (completion token
@@ -21,69 +27,21 @@ indices). The last token of a finished request is never fed, so its boundary sta
 
 from __future__ import annotations
 
-import itertools
 import threading
-import traceback
 import time
+import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..inference.generate import sample
 from ..inference.steps import decode_step, prefill
 from .batch import cat_states, select_state
 from .pool import KVLayout, KVPool, expected_concepts
+from .request import Event, Refused, Request
+from .sampling import is_plain, pick, process, prompt_logprobs, top_logprobs
 
-
-class Refused(Exception):
-    """The request cannot be taken: ``status`` 503 (busy, come back) or 400 (can never fit)."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class Event:
-    tokens: list[int]  # new completion tokens (empty on the last event of a cancelled request)
-    boundaries: list[int] = field(default_factory=list)  # completion indices whose boundary was decided: yes
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    error: str | None = None
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    emit: Callable[[Event], None]
-    temperature: float = 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    eos: list[int] = field(default_factory=list)
-    ratio: float | None = None  # an elastic run's R for this request (None: its design ratio)
-    id: int = field(default_factory=itertools.count().__next__)
-    # Owned by the engine:
-    generated: list[int] = field(default_factory=list)
-    boundary_list: list[int] = field(default_factory=list)  # completion indices that start a concept
-    decided: list[int] = field(default_factory=list)  # boundaries decided since the last event
-    fed: int = 0  # tokens fed to the model (prompt + generated tokens already stepped)
-    prompt_concepts: int = 0
-    concepts: int = 0  # concept entries held in the cache
-    cancelled: bool = False
-    finish_reason: str | None = None
-    preemptions: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    finished: float | None = None
-    generator: torch.Generator | None = None
-
-    @property
-    def seen(self) -> int:
-        """Tokens the cache holds once the last sampled token is fed (prompt + generated)."""
-        return len(self.prompt) + len(self.generated)
+__all__ = ["Engine", "Event", "Refused", "Request"]
 
 
 class Engine:
@@ -110,6 +68,7 @@ class Engine:
         self.accepting, self.stopped = True, False
         self.admit_blocked = False  # a prefilled request did not fit: wait for blocks to be freed
         self.steps = self.peak_running = self.refused = 0
+        self.peak_tensor_bytes = 0  # most K/V tensor bytes the running batch's caches held at once
         self.thread = threading.Thread(target=self._loop, name="conceptmoe-engine", daemon=True)
 
     # --- the HTTP side ---------------------------------------------------------------------------
@@ -166,7 +125,8 @@ class Engine:
     def snapshot(self) -> dict:
         with self.cv:
             return {"running": len(self.running), "waiting": len(self.waiting), "peak_running": self.peak_running,
-                    "refused": self.refused, "steps": self.steps, **self.pool.stats()}
+                    "refused": self.refused, "steps": self.steps, "kv_tensor_bytes": self._tensor_bytes(),
+                    "peak_kv_tensor_bytes": self.peak_tensor_bytes, **self.pool.stats()}
 
     # --- the scheduler thread ----------------------------------------------------------------------
     def _ratio(self, req: Request) -> float | None:
@@ -182,6 +142,13 @@ class Engine:
         req.boundary_list.append(len(req.generated) - 1)
         req.decided.append(len(req.generated) - 1)
 
+    def _tensor_bytes(self) -> int:
+        """Bytes of the K/V tensors the running batch holds now (allocated, not the ledger)."""
+        s = self.state
+        if s is None:
+            return 0
+        return s.tokens.bytes_allocated() + (s.concepts.bytes_allocated() if s.concepts is not None else 0)
+
     def _loop(self) -> None:
         while True:
             with self.cv:
@@ -194,25 +161,40 @@ class Engine:
                 self._admit()
                 if self.running:
                     self._decode()
-            except Exception as e:  # a bug must not hang every client: fail the batch, keep serving
+            except Exception as e:  # a bug outside the model's steps: fail the rows it touched, keep serving
                 traceback.print_exc()
-                for r in self.running:
-                    self._finish(r, "error", f"{type(e).__name__}: {e}")
-                self.running, self.state = [], None
-                self.pool = KVPool(self.layout, self.pool.budget)
+                self._fail_running(e)
+
+    @staticmethod
+    def _emit(req: Request, ev: Event) -> None:
+        """Hand ``ev`` to the client; a client that cannot take it (its event loop closed) is gone."""
+        try:
+            req.emit(ev)
+        except Exception:  # noqa: BLE001 - the scheduler thread must outlive any one client
+            req.cancelled = True
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.finished = reason, time.perf_counter()
         self.pool.free(req.id)
         self.admit_blocked = False
-        req.emit(Event([], finish_reason=reason, error=error))
+        self._emit(req, Event([], finish_reason=reason, error=error))
         if self.on_finish is not None:
             self.on_finish(req)
+
+    def _fail_running(self, e: Exception) -> None:
+        """A step failed: every row in it ends with an error; waiting requests are untouched."""
+        for r in self.running:
+            self._finish(r, "error", f"{type(e).__name__}: {e}")
+        self.running, self.state = [], None
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only the running rows at indices ``keep``."""
         self.running = [self.running[i] for i in keep]
         self.state = select_state(self.state, keep) if keep else None
+
+    def _remove(self, gone: list[Request]) -> None:
+        ids = {r.id for r in gone}
+        self._keep([i for i, r in enumerate(self.running) if r.id not in ids])
 
     def _drop_cancelled(self) -> None:
         with self.cv:
@@ -221,18 +203,30 @@ class Engine:
                 self.waiting.remove(r)
         for r in gone:
             self._finish(r, "cancelled")
-        dead = [i for i, r in enumerate(self.running) if r.cancelled]
+        dead = [r for r in self.running if r.cancelled]
         if dead:
-            for i in dead:
-                self._finish(self.running[i], "cancelled")
-            self._keep([i for i in range(len(self.running)) if i not in dead])
+            for r in dead:
+                self._finish(r, "cancelled")
+            self._remove(dead)
+
+    def _reserve(self) -> int:
+        """Pool bytes the running rows may take at the next step: their next token block, and a
+        concept block for each row whose concept blocks are full. Admission leaves them free, so a
+        newly admitted row does not push a running one out (and get itself preempted in turn)."""
+        lay, need = self.layout, 0
+        for r in self.running:
+            held = self.pool.held.get(r.id, [0, 0])
+            need += max(0, lay.blocks(r.seen) - held[0]) * lay.token_block_bytes
+            if lay.concept_entry_bytes and r.concepts % lay.block == 0:
+                need += lay.concept_block_bytes
+        return need
 
     def _admit(self) -> None:
         if self.admit_blocked:
             return
         new: list[Request] = []
         with self.cv:
-            free = self.pool.free_bytes
+            free = self.pool.free_bytes - (self._reserve() if self.running else 0)
             while self.waiting and len(self.running) + len(new) < self.max_batch:
                 r = self.waiting[0]
                 need = self._estimate(r, r.seen + 1)
@@ -242,15 +236,13 @@ class Engine:
                 new.append(self.waiting.popleft())
         if not new:
             return
-        seqs = [r.prompt + r.generated for r in new]
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)
-        ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s, device=self.device)
-        ratio = None
-        if self.elastic:
-            ratio = torch.tensor([self._ratio(r) for r in new], device=self.device)
-        out, state = prefill(self.model, ids, lens, ratio=ratio)
+        try:
+            out, state, seqs = self._prefill(new)
+        except Exception as e:  # noqa: BLE001 - the rows of this prefill end, nothing else does
+            traceback.print_exc()
+            for r in new:
+                self._finish(r, "error", f"the prefill failed: {type(e).__name__}: {e}")
+            return
         kept, back = [], []
         for i, r in enumerate(new):
             r.concepts = len(state.boundaries[i]) if self.concept else 0
@@ -274,6 +266,7 @@ class Engine:
             out.logits, state = out.logits[kept], select_state(state, kept)
         admitted = [new[i] for i in kept]
         for r, b in zip(admitted, state.boundaries):
+            r.admitted_step = self.steps
             if not r.generated:
                 r.prompt_concepts = len(b)
             elif self.concept and (r.seen - 1) in b:  # a recomputed row: its last token's pending decision
@@ -281,46 +274,77 @@ class Engine:
         self.running += admitted
         self.state = state if self.state is None else cat_states([self.state, state])
         self.peak_running = max(self.peak_running, len(self.running))
+        self.peak_tensor_bytes = max(self.peak_tensor_bytes, self._tensor_bytes())
         self._sample_and_emit(out.logits, admitted, offset=len(self.running) - len(admitted))
 
-    def _preempt_one(self, protect: int | None = None) -> bool:
-        """Preempt the most recently admitted row (never ``protect``); False if none can go."""
-        victims = [i for i in range(len(self.running)) if i != protect]
-        if not victims:
-            return False
-        i = victims[-1]
-        r = self.running[i]
+    def _prefill(self, new: list[Request]):
+        """Prefill ``new`` together; rows that ask for prompt log-probabilities get them here, once."""
+        seqs = [r.prompt + r.generated for r in new]
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s, device=self.device)
+        ratio = None
+        if self.elastic:
+            ratio = torch.tensor([self._ratio(r) for r in new], device=self.device)
+        want = [i for i, r in enumerate(new) if r.prompt_logprobs is not None and r.prompt_lp is None]
+        out, state = prefill(self.model, ids, lens, ratio=ratio, keep_hidden=bool(want))
+        with torch.no_grad():
+            for i in want:
+                r = new[i]
+                r.prompt_lp = prompt_logprobs(self.model, out.hidden[i, :len(r.prompt)], r.prompt, r.prompt_logprobs)
+        out.hidden = None
+        return out, state, seqs
+
+    def _victim(self, protect: Request | None = None) -> Request | None:
+        """The row to preempt: the latest arrival (vLLM's first-come-first-served priority), never
+        ``protect``, and a row re-admitted since the last step only if no other row can go."""
+        rows = [r for r in self.running if r is not protect]
+        settled = [r for r in rows if not (r.preemptions and r.admitted_step >= self.steps)]
+        pool = settled or rows
+        return max(pool, key=lambda r: (r.arrival, r.id)) if pool else None
+
+    def _preempt(self, r: Request) -> None:
         self.pool.free(r.id)
         self.admit_blocked = False
         r.preemptions += 1
         with self.cv:
             self.waiting.appendleft(r)
-        self._keep([j for j in range(len(self.running)) if j != i])
-        return True
+        self._remove([r])
 
     def _make_room(self) -> None:
         """Before a step: every row's next token block, and room for a concept block per full row."""
         for r in list(self.running):
             while r in self.running and not self.pool.grow(r.id, r.seen, r.concepts):
-                i = self.running.index(r)
-                if not self._preempt_one(protect=i):  # alone and out of memory: it ends here
+                v = self._victim(protect=r)
+                if v is None:  # alone and out of memory: it ends here
                     self._finish(r, "length")
-                    self._keep([j for j in range(len(self.running)) if j != i])
+                    self._remove([r])
+                else:
+                    self._preempt(v)
         lay = self.layout
-        while self.running and lay.concept_entry_bytes:
+        # A lone row is never preempted for headroom: recomputing it frees nothing it could use. It
+        # steps, and ends ("length") only if it then starts a concept the pool cannot hold.
+        while len(self.running) > 1 and lay.concept_entry_bytes:
             full = sum(1 for r in self.running if r.concepts % lay.block == 0)
             if full * lay.concept_block_bytes <= self.pool.free_bytes:
                 break
-            if not self._preempt_one():
-                break
+            self._preempt(self._victim())
 
     def _decode(self) -> None:
         self._make_room()
         if not self.running:
             return
         fed = torch.tensor([r.generated[-1] for r in self.running], device=self.device)
-        out = decode_step(self.model, self.state, fed)
+        try:
+            out = decode_step(self.model, self.state, fed)
+        except Exception as e:  # noqa: BLE001 - the rows of this step end, waiting requests do not
+            traceback.print_exc()
+            self._fail_running(e)
+            return
         self.steps += 1
+        self.peak_tensor_bytes = max(self.peak_tensor_bytes, self._tensor_bytes())
+        full = []
         for r in self.running:
             r.fed += 1
         if out.boundary is not None:
@@ -329,31 +353,58 @@ class Engine:
                     r.concepts += 1
                     self._boundary(r)
                     if not self.pool.grow(r.id, r.seen, r.concepts):
-                        raise RuntimeError("KV pool overdrawn after a boundary (headroom check failed)")
-        self._sample_and_emit(out.logits, self.running, offset=0)
+                        full.append(r)  # only a lone row steps without headroom (``_make_room``)
+        self._sample_and_emit(out.logits, self.running, offset=0, out_of_memory=full)
 
-    def _sample_and_emit(self, logits: torch.Tensor, rows: list[Request], offset: int) -> None:
-        """Sample one token for each of ``rows`` (running rows offset..offset+n), emit, retire finished rows."""
+    def _sample_one(self, r: Request, logits: torch.Tensor, greedy: int) -> tuple[int, tuple | None]:
+        """(token, its log-probabilities or None) for row ``r`` from its raw logits (V,)."""
+        if r.temperature == 0 and is_plain(r):
+            tok = greedy
+        else:
+            tok = pick(process(logits, r, r.eos), r)
+        lp = None
+        if r.logprobs is not None:
+            lp = top_logprobs(logits.float().log_softmax(-1), tok, r.logprobs)
+        return tok, lp
+
+    def _sample_and_emit(self, logits: torch.Tensor, rows: list[Request], offset: int,
+                         out_of_memory: list[Request] = ()) -> None:
+        """Sample one token for each of ``rows`` (running rows offset..offset+n), emit, retire finished rows.
+        A row whose logits are not finite, or whose sampling raises, ends alone with an error."""
         greedy = logits.float().argmax(-1).tolist()
-        done = []
+        finite = torch.isfinite(logits).all(-1).tolist()
+        done: list[tuple[Request, str, str | None]] = []
         for i, r in enumerate(rows):
-            if r.temperature == 0:
-                tok = greedy[i]
-            else:
-                tok = int(sample(logits[i:i + 1], r.temperature, r.top_k, r.top_p, r.generator)[0])
-            decided, r.decided = r.decided, []
+            first = {}
             if r.first_token is None:
                 r.first_token = time.perf_counter()
-            if tok in r.eos:
-                r.emit(Event([], decided))
-                done.append((offset + i, "stop"))
+                if r.prompt_lp is not None:
+                    first = {"prompt_logprobs": r.prompt_lp}
+            decided, r.decided = r.decided, []
+            if r.max_tokens == 0:
+                self._emit(r, Event([], decided, **first))
+                done.append((r, "length", None))
+                continue
+            if any(x is r for x in out_of_memory):
+                self._emit(r, Event([], decided, **first))
+                done.append((r, "length", None))
+                continue
+            try:
+                if not finite[i]:
+                    raise FloatingPointError("the model's logits for this request are not finite")
+                tok, lp = self._sample_one(r, logits[i], greedy[i])
+            except Exception as e:  # noqa: BLE001 - this request ends, the batch goes on
+                done.append((r, "error", f"sampling failed: {type(e).__name__}: {e}"))
+                continue
+            if tok in r.eos or tok in r.stop_token_ids:
+                self._emit(r, Event([], decided, **first))
+                done.append((r, "stop", None))
                 continue
             r.generated.append(tok)
-            r.emit(Event([tok], decided))
+            self._emit(r, Event([tok], decided, logprobs=None if lp is None else [lp], **first))
             if len(r.generated) >= r.max_tokens:
-                done.append((offset + i, "length"))
+                done.append((r, "length", None))
         if done:
-            for i, reason in done:
-                self._finish(self.running[i], reason)
-            gone = {i for i, _ in done}
-            self._keep([j for j in range(len(self.running)) if j not in gone])
+            for r, reason, error in done:
+                self._finish(r, reason, error)
+            self._remove([r for r, _, _ in done])

@@ -2,11 +2,13 @@
 
 ``parse_completion(body, limits)`` turns a decoded JSON body into ``CompletionParams`` or raises
 ``ApiError`` with the status and message the client gets, in OpenAI's error JSON (``error_body``).
-Fields OpenAI defines that this server does not implement are refused when they would change the
-answer (``n`` > 1, ``logprobs``, ``echo``, penalties), never silently ignored; unknown fields are
-refused too. Extensions, which OpenAI clients pass through ``extra_body``: ``top_k`` and ``ignore_eos``
-(as vLLM; the load generator asks for fixed output lengths) and ``concept_ratio`` (an elastic
-run's R for this request).
+Implemented beside OpenAI's fields (``n``, ``echo``, ``logprobs``, the penalties, ``logit_bias``,
+several prompts): vLLM's sampling extras ``top_k``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids`` and ``ignore_eos``, which OpenAI clients pass through ``extra_body``, and
+``concept_ratio`` (an elastic run's R for this request). Fields that this server does not
+implement (``suffix``, ``min_p``, ...) are accepted only at the value that changes nothing, never
+silently ignored; unknown fields are refused. Values that would overflow the sampling (a
+temperature of 1e-39) are refused.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Limits:
 
 @dataclass
 class CompletionParams:
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # one or more prompts; each gets ``n`` choices
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float | None = None
@@ -68,14 +70,30 @@ class CompletionParams:
     include_usage: bool = False
     concept_ratio: float | None = None
     ignore_eos: bool = False
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def prompt(self) -> str | list[int]:
+        return self.prompts[0]
 
 
-# Fields OpenAI defines that are accepted only at the value that changes nothing.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
-           "suffix": None, "logit_bias": None}
-KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-         "stream_options", "concept_ratio", "ignore_eos", "user"} | set(NEUTRAL)
-MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's limit on stop sequences, and a sane length for each
+# Fields OpenAI or vLLM define that are accepted only at the value that changes nothing.
+NEUTRAL = {"suffix": None, "min_p": 0, "skip_special_tokens": True, "include_stop_str_in_output": False,
+           "spaces_between_special_tokens": True, "add_special_tokens": True}
+KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+         "concept_ratio", "ignore_eos", "user", "n", "best_of", "echo", "logprobs", "repetition_penalty",
+         "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "logit_bias"} | set(NEUTRAL)
+MAX_STOPS, MAX_STOP_CHARS = 64, 256  # stop strings per request (lm-eval sends more than OpenAI's 4), and chars each
+MAX_N, MAX_PROMPTS, MAX_LOGPROBS = 16, 64, 20  # choices per prompt, prompts per request, top log-probabilities
+MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature overflows fp32: refused, as vLLM clamps
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, open_lo=False):
@@ -93,27 +111,38 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, ope
     return v
 
 
-def _prompt(body: dict, lim: Limits) -> str | list[int]:
-    if "prompt" not in body:
-        raise ApiError(400, "'prompt' is required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one, as some clients send it
+def _ids(p, lim: Limits, name: str) -> list[int] | None:
+    """``p`` as token ids when it is a non-empty list of ints (each checked against the vocabulary)."""
+    if not (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+        return None
+    bad = [t for t in p if not 0 <= t < lim.vocab_size]
+    if bad:
+        raise ApiError(400, f"'{name}' holds token id {bad[0]} outside the vocabulary [0, {lim.vocab_size})", name)
+    return p
+
+
+def _one_prompt(p, lim: Limits):
     if isinstance(p, str):
         if not p:
             raise ApiError(400, "'prompt' is empty", "prompt")
         return p
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        bad = [t for t in p if not 0 <= t < lim.vocab_size]
-        if bad:
-            raise ApiError(400, f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {lim.vocab_size})",
-                           "prompt")
-        return p
+    ids = _ids(p, lim, "prompt")
+    if ids is not None:
+        return ids
     if isinstance(p, list) and not p:
         raise ApiError(400, "'prompt' is empty", "prompt")
-    if isinstance(p, list) and all(isinstance(x, (str, list)) for x in p):
-        raise ApiError(400, "one prompt per request: send several requests (they are batched together)", "prompt")
-    raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+
+
+def _prompts(body: dict, lim: Limits) -> list[str | list[int]]:
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):  # a batch of prompts
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(400, f"'prompt': at most {MAX_PROMPTS} prompts per request", "prompt")
+        return [_one_prompt(x, lim) for x in p]
+    return [_one_prompt(p, lim)]
 
 
 def _stop(body: dict) -> list[str]:
@@ -140,6 +169,43 @@ def _ratio(body: dict, lim: Limits) -> float | None:
     return float(r) if lim.elastic_ratios else None
 
 
+def _logit_bias(body: dict, lim: Limits) -> dict[int, float] | None:
+    b = body.get("logit_bias")
+    if b is None:
+        return None
+    if not isinstance(b, dict):
+        raise ApiError(400, "'logit_bias' must map token ids to numbers", "logit_bias")
+    out = {}
+    for k, v in b.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise ApiError(400, f"'logit_bias': key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= t < lim.vocab_size:
+            raise ApiError(400, f"'logit_bias': token id {t} outside the vocabulary [0, {lim.vocab_size})", "logit_bias")
+        out[t] = float(_number({"logit_bias": v}, "logit_bias", 0, -100, 100))
+    return out or None
+
+
+def _stop_token_ids(body: dict, lim: Limits) -> list[int]:
+    s = body.get("stop_token_ids")
+    if s is None or s == []:
+        return []
+    ids = _ids(s, lim, "stop_token_ids")
+    if ids is None or len(ids) > MAX_STOPS:
+        raise ApiError(400, f"'stop_token_ids' must be a list of at most {MAX_STOPS} token ids", "stop_token_ids")
+    return ids
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be true or false (got {v!r})", name)
+    return v
+
+
 def parse_completion(body, lim: Limits) -> CompletionParams:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -153,22 +219,33 @@ def parse_completion(body, lim: Limits) -> CompletionParams:
     if model is not None and model != lim.model:
         raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{lim.model}'",
                        "model", code="model_not_found")
-    stream, ignore_eos = body.get("stream", False), body.get("ignore_eos", False)
-    for name, v in (("stream", stream), ("ignore_eos", ignore_eos)):
-        if not isinstance(v, bool):
-            raise ApiError(400, f"'{name}' must be true or false (got {v!r})", name)
+    stream, ignore_eos, echo = _flag(body, "stream"), _flag(body, "ignore_eos"), _flag(body, "echo")
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage"}):
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}
+                             or opts.get("continuous_usage_stats")):
         raise ApiError(400, "'stream_options' may hold only 'include_usage'", "stream_options")
     top_p = _number(body, "top_p", None, 0, 1, open_lo=True)
     top_k = _number(body, "top_k", None, integer=True)
-    if top_k is not None and top_k < 1 and top_k != -1:  # -1: no top-k, as vLLM
-        raise ApiError(400, f"'top_k' must be >= 1 or -1 (got {top_k})", "top_k")
+    if top_k is not None and top_k < 1 and top_k not in (-1, 0):  # -1 and 0: no top-k, as vLLM
+        raise ApiError(400, f"'top_k' must be >= 1, or 0 or -1 for none (got {top_k})", "top_k")
+    temperature = float(_number(body, "temperature", 1.0, 0, 100))
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ApiError(400, f"'temperature' must be 0 (greedy) or >= {MIN_TEMPERATURE} (got {temperature!r}): "
+                            f"smaller ones overflow the logits", "temperature")
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"'best_of' is not supported by this server (only equal to 'n', {n})", "best_of")
+    max_tokens = _number(body, "max_tokens", 16, 0 if echo else 1, lim.max_model_len, integer=True)
     return CompletionParams(
-        prompt=_prompt(body, lim),
-        max_tokens=_number(body, "max_tokens", 16, 1, lim.max_model_len, integer=True),
-        temperature=float(_number(body, "temperature", 1.0, 0, 100)),
-        top_p=top_p, top_k=None if top_k in (None, -1) else top_k,
+        prompts=_prompts(body, lim), max_tokens=max_tokens, temperature=temperature,
+        top_p=top_p, top_k=None if top_k in (None, -1, 0) else top_k,
         seed=_number(body, "seed", None, 0, 2**63 - 1, integer=True),
         stop=_stop(body), stream=stream, include_usage=bool((opts or {}).get("include_usage", False)),
-        concept_ratio=_ratio(body, lim), ignore_eos=ignore_eos)
+        concept_ratio=_ratio(body, lim), ignore_eos=ignore_eos, n=n, echo=echo,
+        logprobs=_number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.01, 100)),
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2, 2)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+        min_tokens=_number(body, "min_tokens", 0, 0, max_tokens, integer=True),
+        stop_token_ids=_stop_token_ids(body, lim), logit_bias=_logit_bias(body, lim))
