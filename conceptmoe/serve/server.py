@@ -20,6 +20,7 @@ from ..training.checkpoint import load_run
 from ..training.conventions import eos_list, max_length, token_ids
 from .engine import Engine
 from .metrics import Metrics
+from .pool import expected_concepts
 from .protocol import Limits
 
 
@@ -35,6 +36,7 @@ class ServeConfig:
     dtype: str = "fp32"
     device: str = "auto"
     grace: float = 10.0  # seconds in-flight requests get to finish after SIGTERM
+    served_model_name: str | None = None  # the name clients send (default: the run directory's name)
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +51,8 @@ class ServeConfig:
             raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
         if not self.grace >= 0:
             raise UserError(f"--grace must be >= 0 (got {self.grace})")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise UserError("--served-model-name must not be empty")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -78,7 +82,12 @@ def build(cfg: ServeConfig):
     metrics = Metrics()
     engine = Engine(model, int(cfg.kv_cache_mb * 2**20), cfg.max_batch, cfg.max_waiting, max_len, eos,
                     on_finish=metrics.finished)
-    limits = Limits(model=run.resolve().name, cfg=mcfg, max_model_len=max_len)
+    limits = Limits(model=cfg.served_model_name or run.resolve().name, cfg=mcfg, max_model_len=max_len)
+    ratio = mcfg.compression_ratio if mcfg.is_concept else None
+    one = engine.layout.bytes_for(max_len + 1, expected_concepts(max_len + 1, ratio))
+    if one > engine.pool.budget:
+        raise UserError(f"--kv-cache-mb {cfg.kv_cache_mb:g} cannot hold one sequence of --max-model-len {max_len} "
+                        f"tokens (about {one / 2**20:.3g} MiB); raise it or lower --max-model-len")
     return engine, tok, limits, metrics
 
 
