@@ -3,6 +3,9 @@
     python docs/headline.py           # print every table
     python docs/headline.py --write   # rewrite the README's tables in place (between their markers)
 
+The verdict sentences (README answers, the study READMEs' generated paragraphs) come from
+docs/verdicts.py and are written the same way (issue 53).
+
 Each table sits in README.md between ``<!-- headline:NAME -->`` and ``<!-- /headline:NAME -->``;
 tests/test_claims.py rebuilds them from the records and fails when the README differs, so a
 figure in a headline table cannot drift from the file it comes from. Paired gaps are
@@ -32,6 +35,16 @@ def _interval_module():
 
 
 interval = _interval_module().interval
+
+
+def _verdicts_module():
+    spec = importlib.util.spec_from_file_location("verdicts", DOCS / "verdicts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+verdicts = _verdicts_module()
 
 
 def _load(rel: str) -> dict:
@@ -66,8 +79,10 @@ def quality() -> str:
     head = ("| budget | ConceptMoE (vs the `small` MoE) | seeds | precision | MoE BPB | ConceptMoE BPB | paired gap "
             "| 95% interval | answer | source |\n|---|---|---|---|---|---|---|---|---|---|")
     r3 = _load("study/round3/d1.2M-8seeds.json")
-    rows = [_row("1.2M", "default (2 + 4 + 2)", dict(zip(r3["seeds"], r3["moe"])), dict(zip(r3["seeds"], r3["cm"])),
-                 "fp32", "docs/study/round3/d1.2M-8seeds.json")]
+    machines = len(verdicts.by_machine(r3))
+    rows = [_row("1.2M", f"default (2 + 4 + 2){f', {machines} machines pooled' if machines > 1 else ''}",
+                 dict(zip(r3["seeds"], r3["moe"])), dict(zip(r3["seeds"], r3["cm"])),
+                 verdicts.precision_of(r3), "docs/study/round3/d1.2M-8seeds.json")]
     for budget in ("1.2M", "4.8M", "9.6M"):
         rel = f"study/round2/d{budget}/summary.json"
         s = _load(rel)
@@ -81,10 +96,12 @@ def quality() -> str:
     rows.append(_row("2.4M + 1.2M", "converted at R = 2 (`topk`), one pretrained MoE continued on 3 batch orders",
                      _per_seed(ct, "moe"), _per_seed(ct, "R2-topk"), "fp32", "docs/study/round2/ct-2+4+2/summary.json"))
     conv = _load("study/round3/conversion.json")  # round 3: one independently pretrained MoE per seed
+    own = len(set(conv["pretrained"].values())) == len(conv["seeds"])  # one pretrained MoE per seed, or shared
     for r in conv["rows"]:
         if r["label"] in ("R1.5-loop2", "R2-topk"):
             what = (f"converted at R = {r['label'][1:].split('-')[0]}, `{r['label'].split('-')[1]}` "
-                    f"({r['flops_vs_moe']:.2f}× FLOPs), each seed its own pretrained MoE")
+                    f"({r['flops_vs_moe']:.2f}× FLOPs), "
+                    f"{'each seed its own pretrained MoE' if own else 'one pretrained MoE for every seed'}")
             rows.append(_row("2.4M + 1.2M", what, dict(zip(r["seeds"], r["moe"])), dict(zip(r["seeds"], r["cm"])),
                              "fp32", "docs/study/round3/conversion.json"))
     return "\n".join([head, *rows])
@@ -119,11 +136,13 @@ def latency() -> str:
 
 
 def serving() -> str:
-    head = ("| KV pool (`bench serve`, 2-core CPU) | output tok/s ConceptMoE / MoE | peak sequences | "
+    recs = {name: _load(f"serving/{name}.json") for name in ("fp32-64mb", "bf16-12mb", "fp32-512mb")}
+    cores = {r["machine"]["cores"] for r in recs.values()}
+    where = f"{cores.pop()}-core CPU" if len(cores) == 1 else "CPUs of different sizes"
+    head = (f"| KV pool (`bench serve`, {where}) | output tok/s ConceptMoE / MoE | peak sequences | "
             "KV bytes per token | source |\n|---|---|---|---|---|")
     rows = []
-    for name in ("fp32-64mb", "bf16-12mb", "fp32-512mb"):
-        rec = _load(f"serving/{name}.json")
+    for name, rec in recs.items():
         moe, cm = (next(r for r in rec["rows"] if r["kind"] == k) for k in ("moe", "conceptmoe"))
         s = rec["settings"]
         binds = "binds" if cm["preempted_rows"] or moe["preempted_rows"] else "does not bind"
@@ -177,15 +196,17 @@ def long_context() -> str:
             answer = "higher is better" if k.endswith(("acc", "gain")) else res["verdict"]
             rows.append(f"| {names[k]} | {L} | {len(moe)} | {statistics.fmean(moe.values()):.4f} | "
                         f"{statistics.fmean(cm.values()):.4f} | {res['mean']:+.4f} | {_ci(res)} | {answer} |")
-        wc = rec["wallclock"].get(L, {})
-        if wc and L == "2048":  # at the bench's speed ratio (own step times and 256: in the record)
-            bench = [w["bench"] for w in wc.values() if "bench" in w]
-            if bench:
-                res = interval([b["bpb"][rec["label"]] - b["bpb"]["moe"] for b in bench])
-                rows.append(f"| BPB at equal training time, `bench train` speed ({bench[0]['speed']:.2f}×; the MoE read "
-                            f"mid-schedule) | {L} | "
-                            f"{len(bench)} | {statistics.fmean(b['bpb']['moe'] for b in bench):.4f} | "
-                            f"{statistics.fmean(b['bpb'][rec['label']] for b in bench):.4f} | {res['mean']:+.4f} | "
+        for how, label in (("own", "BPB at equal training time, the runs' own step times"),
+                           ("bench", "BPB at equal training time, `bench train` speed ({:.2f}×): an upper bound, "
+                                     "the MoE read mid-schedule")):
+            if rec["wallclock"].get(L):
+                gaps = verdicts.equal_time(L, how)
+                res = interval(gaps)
+                w = sorted(rec["wallclock"][L].items())
+                pick = (lambda x: x["bpb"]) if how == "own" else (lambda x: x["bench"]["bpb"])
+                rows.append(f"| {label.format(w[0][1]['bench']['speed'])} | {L} | {len(gaps)} | "
+                            f"{statistics.fmean(pick(x)['moe'] for _, x in w):.4f} | "
+                            f"{statistics.fmean(pick(x)[rec['label']] for _, x in w):.4f} | {res['mean']:+.4f} | "
                             f"{_ci(res)} | {res['verdict']} |")
     contrasts = {"late - early gap at 2048": ("gap at positions 1024-2048 minus gap at 1-64", "2048"),
                  "val_bpb gap at 2048 - at 256": ("held-out BPB gap at 2048 minus at 256, per seed", "both")}
@@ -196,18 +217,20 @@ def long_context() -> str:
     return "\n".join([head, *rows])
 
 
-TABLES = {"quality": quality, "latency": latency, "serving": serving, "elastic": elastic, "long": long_context}
+TABLES = {"quality": quality, "latency": latency, "serving": serving, "elastic": elastic, "long": long_context,
+          **verdicts.README_BLOCKS}
+DOC_BLOCKS = verdicts.DOC_BLOCKS  # the study READMEs' generated sentences and tables, by path under docs/
 
 
 def block(name: str) -> re.Pattern:
     return re.compile(rf"(<!-- headline:{name} -->\n)(.*?)(<!-- /headline:{name} -->)", re.S)
 
 
-def write(text: str) -> str:
-    for name, build in TABLES.items():
+def write(text: str, blocks: dict = TABLES, where: str = "README.md") -> str:
+    for name, build in blocks.items():
         pat = block(name)
         if not pat.search(text):
-            raise SystemExit(f"error: README.md has no <!-- headline:{name} --> block")
+            raise SystemExit(f"error: {where} has no <!-- headline:{name} --> block")
         text = pat.sub(lambda m, t=build(): m.group(1) + t + "\n" + m.group(3), text)
     return text
 
@@ -218,8 +241,10 @@ def main() -> int:
     a = p.parse_args()
     if a.write:
         README.write_text(write(README.read_text()))
+        for rel, blocks in DOC_BLOCKS.items():
+            (DOCS / rel).write_text(write((DOCS / rel).read_text(), blocks, rel))
     else:
-        for name, build in TABLES.items():
+        for name, build in [*TABLES.items(), *(kv for b in DOC_BLOCKS.values() for kv in b.items())]:
             print(f"## {name}\n\n{build()}\n")
     return 0
 
