@@ -1,0 +1,160 @@
+"""The concept layers' KV cache in vLLM's paged memory, at concept rate (CONCEPTMOE.md §4).
+
+vLLM groups attention layers by their KV-cache spec; each group gets one block table per request
+from its manager, and all groups draw blocks from one pool. ConceptMoE's token-rate layers
+(encoder, decoder) keep vLLM's ``FullAttentionSpec``. Its concept layers (times their loops)
+declare ``ConceptAttentionSpec``, a spec of its own type, so they form their own group(s), and
+``ConceptAttentionManager`` gives that group slots for the request's *concepts*, not its tokens.
+
+Concepts are decided by the model (the router's p >= 0.5), so the scheduler cannot know them in
+advance. The worker reports, per request, the tokens it has processed T and the concepts they
+made C (``FeedbackTable``: a small shared-memory table, written by the model after each forward
+and read by the manager before the next schedule; vLLM on CPU schedules synchronously). Before a
+step that feeds ``num_tokens - T`` new tokens the manager makes room for
+``C + (num_tokens - T)`` concepts (every new token might start one), never more than
+``num_tokens``. Without a report (a new request, or a table that cannot be opened) it allocates at
+token rate: always room enough, never wrong, only larger. Rows never shrink (the worker appends
+block ids), so a request holds at most one prefill chunk of slack; ``long_prefill_token_threshold``
+bounds that chunk.
+
+The table is keyed by the request's first concept block (unique while the request holds it); the
+manager clears a request's entry when its blocks are freed (finish, abort, preemption), so a
+block's next owner starts at token rate. ``max_memory_usage_bytes`` (what vLLM's "KV cache size:
+N tokens" line and its concurrency estimate use) counts max_model_len / R concepts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+FEEDBACK_DIR = Path(os.environ.get("CONCEPTMOE_VLLM_FEEDBACK_DIR", "/dev/shm" if Path("/dev/shm").is_dir()
+                                   else tempfile.gettempdir()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConceptAttentionSpec(AttentionSpec):
+    """A concept layer's KV cache: pages like full attention, slots counted in concepts.
+
+    Not a ``FullAttentionSpec`` subclass: ``FullAttentionSpec.merge`` accepts subclasses and would
+    fold the concept layers back into the token group."""
+
+    compression: float = 1.0  # the run's R: the expected tokens per concept
+
+    def max_memory_usage_bytes(self, vllm_config) -> int:
+        concepts = math.ceil(vllm_config.model_config.max_model_len / self.compression)
+        return cdiv(concepts, self.block_size) * self.page_size_bytes
+
+
+class FeedbackTable:
+    """(tokens processed T, concepts C) per key, in a file both engine processes map.
+
+    The key is a block id (the request's first concept block, in the scheduler's block units).
+    The file is named after the EngineCore process, which holds the scheduler and is the parent of
+    the model's worker process (vLLM's "mp" executor; the "uni" executor runs it inside)."""
+
+    def __init__(self, engine_pid: int, num_blocks: int, fresh: bool = False) -> None:
+        """``fresh``: zero it (the scheduler's side, before any request runs: a file left by an
+        earlier process of the same pid must not be read as reports)."""
+        self.path = FEEDBACK_DIR / f"conceptmoe-vllm-{engine_pid}.feedback"
+        self.num_blocks = num_blocks
+        size = max(num_blocks, 1) * 2 * 8
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if fresh:
+                os.ftruncate(fd, 0)
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.table = np.ndarray((max(num_blocks, 1), 2), dtype=np.int64, buffer=self._map)
+
+    def write(self, key: int, tokens: int, concepts: int) -> None:
+        self.table[key] = (tokens, concepts)
+
+    def read(self, key: int) -> tuple[int, int]:
+        t, c = self.table[key]
+        return int(t), int(c)
+
+    def clear(self, key: int) -> None:
+        self.table[key] = (0, 0)
+
+
+def concept_slots(num_tokens: int, reported: tuple[int, int] | None) -> int:
+    """Concept slots a request needs to hold ``num_tokens`` tokens, given its last report (T, C):
+    C + (num_tokens - T), at most num_tokens; num_tokens without a usable report."""
+    if reported is None:
+        return num_tokens
+    t, c = reported
+    if t <= 0 or c <= 0 or c > t or t > num_tokens:
+        return num_tokens
+    return min(num_tokens, c + num_tokens - t)
+
+
+class ConceptAttentionManager(FullAttentionManager):
+    """Full attention's manager, its slot counts turned from tokens into concepts."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._table: FeedbackTable | None = None
+        try:  # created before any request is scheduled, so before the worker's first report
+            self._table = _shared_table(self.block_pool.num_gpu_blocks)
+        except OSError:
+            pass
+
+    def _feedback(self) -> FeedbackTable | None:
+        return self._table
+
+    def _slots(self, request_id: str, num_tokens: int) -> int:
+        blocks = self.req_to_blocks.get(request_id)
+        table = self._feedback()
+        if not blocks or table is None:
+            return num_tokens
+        return concept_slots(num_tokens, table.read(blocks[0].block_id))
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
+        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        slots = self._slots(request_id, num_tokens)
+        return super().allocate_new_blocks(request_id, slots, min(slots, num_tokens_main_model))
+
+    def pop_blocks_for_free(self, request_id: str):
+        blocks = super().pop_blocks_for_free(request_id)
+        table = self._feedback()
+        if blocks and table is not None:
+            table.clear(blocks[0].block_id)
+        return blocks
+
+
+_TABLES: dict[int, FeedbackTable] = {}
+
+
+def _shared_table(num_blocks: int) -> FeedbackTable:
+    """This scheduler process's table: zeroed once (several concept groups share it), removed at exit."""
+    pid = os.getpid()
+    if pid not in _TABLES:
+        _TABLES[pid] = table = FeedbackTable(pid, num_blocks, fresh=True)
+        atexit.register(lambda: table.path.unlink(missing_ok=True))
+    return _TABLES[pid]
+
+
+def register_spec() -> None:
+    """Register the spec and its manager with vLLM (idempotent). The built-in specs first: the
+    registry skips them once it is non-empty."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(ConceptAttentionSpec, ConceptAttentionManager,
+                                 uniform_type_base_spec=ConceptAttentionSpec)

@@ -1,0 +1,381 @@
+"""ConceptMoE as a vLLM model: the encoder and decoder on vLLM's paged token KV cache, the concept
+model on a paged KV cache of concepts (CONCEPTMOE.md §4; ``kv.py`` for the memory side).
+
+vLLM hands the model one flat batch: the new tokens of every scheduled request laid end to end
+(a prefill chunk, or one decode token), their absolute positions, and per-layer attention
+metadata. One forward:
+
+1. encoder blocks at token rate (vLLM ``Attention``, the token group's block tables);
+2. the chunk router: p_t against W_k ĥ_{t-1}, the previous token of the same request, or for a
+   chunk's first token the key its request kept from the last step (per-request state, below);
+   boundaries are p >= 0.5 (the inference rule);
+3. each request's new concepts (the boundary states, or the mean since the previous boundary)
+   go through the concept blocks as one flat batch of concepts, positioned at their concept index;
+   their attention metadata is built here from the concept group's block tables: request r's
+   C_r earlier concepts are its context, its m_r new ones the queries, written at slots C_r..;
+4. dechunk: the EMA over each request's concepts (``ema_scan``), started from the z its request
+   kept, broadcast back to the tokens;
+5. decoder blocks at token rate with joint decoding; the final norm; ``compute_logits`` applies
+   the head.
+
+Per-request state (the router's last key, z, the mean-pooling sum and count, the concept count)
+lives in tensors of the model with one row per concept-group block, indexed by the request's
+first concept block: the block is the request's own from its first step to its last, and a request
+starting over (new, or recomputed after preemption: its first position is 0) resets its row. It
+is a few vectors per request, next to the KV blocks each request holds.
+
+The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
+``model.generate`` token for token. Eager only (data-dependent shapes; ``enforce_eager``).
+
+Shape legend: N tokens in the flat batch, M new concepts in it, R requests, D d_model,
+H query heads, G key/value heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from ..model.attention import rope_tables
+from ..model.config import ModelConfig
+from ..model.lm import Block, ConceptMoELM, build_model
+from ..model.scan import ema_scan
+from .kv import ConceptAttentionSpec, FeedbackTable
+
+
+class ConceptAttention(Attention):
+    """A concept layer's attention: vLLM's, with a KV spec counted in concepts."""
+
+    def __init__(self, *args, compression: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.compression = compression
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        full = super().get_kv_cache_spec(vllm_config)
+        return ConceptAttentionSpec(block_size=full.block_size, num_kv_heads=full.num_kv_heads,
+                                    head_size=full.head_size, head_size_v=full.head_size_v, dtype=full.dtype,
+                                    kv_quant_mode=full.kv_quant_mode, compression=self.compression)
+
+
+@dataclass
+class RequestStates:
+    """Per-request chunk and dechunk state, one row per concept block (see the module docstring)."""
+
+    last_key: torch.Tensor  # (blocks, D) fp32: W_k ĥ of the request's last token
+    z: torch.Tensor  # (blocks, D) the dechunk EMA after the request's last concept
+    pool_sum: torch.Tensor  # (blocks, D) mean pooling: tokens since the last boundary, summed
+    pool_count: torch.Tensor  # (blocks,) long
+    concepts: torch.Tensor  # (blocks,) long: the request's concepts so far
+
+    @classmethod
+    def empty(cls, blocks: int, d: int, dtype: torch.dtype, device: torch.device) -> "RequestStates":
+        zeros = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        return cls(zeros(blocks, d, dt=torch.float32), zeros(blocks, d), zeros(blocks, d),
+                   zeros(blocks, dt=torch.long), zeros(blocks, dt=torch.long))
+
+    def reset(self, row: int) -> None:
+        for t in (self.last_key, self.z, self.pool_sum, self.pool_count, self.concepts):
+            t[row] = 0
+
+
+@dataclass
+class Batch:
+    """The flat batch's requests: token ranges, tokens already processed, state rows."""
+
+    starts: list[int]
+    ends: list[int]
+    done: list[int]  # tokens each request had processed before this step
+    rows: list[int]  # state row (first concept block, worker units) of each request
+
+
+class ConceptMoEForCausalLM(nn.Module):
+    """vLLM's model class for an exported ConceptMoE (``model_type`` ``conceptmoe``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.vllm_config = vllm_config
+        hf = vllm_config.model_config.hf_config
+        cfg = ModelConfig.from_dict(hf.conceptmoe)
+        self.cfg, self.ratio = cfg, getattr(hf, "concept_ratio", None)
+        self.model = build_model(cfg)
+        cache = vllm_config.cache_config
+        attn = lambda cls, name, **kw: cls(cfg.n_heads, cfg.head_dim, cfg.head_dim ** -0.5,  # noqa: E731
+                                          num_kv_heads=cfg.n_kv_heads, cache_config=cache,
+                                          prefix=f"{prefix}.{name}", **kw)
+        n_token = len(self.model.layers) if not cfg.is_concept else cfg.n_encoder_layers + cfg.n_decoder_layers
+        self.token_attn = nn.ModuleList(attn(Attention, f"token_attn.{i}") for i in range(n_token))
+        n_concept = cfg.n_concept_layers * cfg.concept_loops if cfg.is_concept else 0
+        self.concept_attn = nn.ModuleList(attn(ConceptAttention, f"concept_attn.{i}",
+                                               compression=float(self.ratio or cfg.compression_ratio))
+                                          for i in range(n_concept))
+        self._states: RequestStates | None = None
+        self._builder = None
+        self._feedback: FeedbackTable | None = None
+        self._feedback_failed = False
+
+    # -- vLLM's model interface ------------------------------------------------------------------
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        """The export's ``model.<our key>`` tensors, into our modules (tied keys included)."""
+        state = {f"model.{k}": v for k, v in self.model.state_dict(keep_vars=True).items()}
+        seen = set()
+        for name, w in weights:
+            if name not in state:
+                raise ValueError(f"unexpected weight {name!r} in a conceptmoe checkpoint")
+            with torch.no_grad():
+                state[name].data.copy_(w.to(state[name].dtype))
+            seen.add(name)
+        missing = sorted(set(state) - seen - {"model.lm_head.weight"} if self.cfg.tie_embeddings
+                         else set(state) - seen)
+        if missing:
+            raise ValueError(f"conceptmoe checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+        return {name for name, _ in self.named_parameters()}
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        m = self.model
+        x = m.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (N, D)
+        cos, sin = self._rope(positions, x.dtype)
+        if not isinstance(m, ConceptMoELM):
+            for blk, attn in zip(m.layers, self.token_attn):
+                x = self._block(blk, attn, x, cos, sin)
+            return m.norm(x)
+        n_enc = len(m.encoder)
+        for blk, attn in zip(m.encoder, self.token_attn[:n_enc]):
+            x = self._block(blk, attn, x, cos, sin)
+        md = get_forward_context().attn_metadata
+        if md is None or not isinstance(md, dict):  # profile and warm-up runs: shapes only
+            z = self._concepts_dummy(x, cos, sin)
+        else:
+            z = self._concepts(x, positions, md)
+        h = x + z
+        for blk, attn in zip(m.decoder, self.token_attn[n_enc:]):
+            h = self._block(blk, attn, h, cos, sin, z)
+        return m.norm(h)
+
+    # -- the pieces ------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_tables(positions.long(), self.cfg.head_dim, self.cfg.rope_theta, dtype)  # (N, Dh) each
+
+    def _block(self, blk: Block, attn: Attention, x: torch.Tensor, cos, sin, z=None) -> torch.Tensor:
+        """Our block on a flat batch x (N, D), its attention through vLLM's paged cache."""
+        n = x.shape[0]
+        q, k, v = blk.attn.project(blk.attn_norm(x)[None], cos[None], sin[None],
+                                   None if z is None else z[None])  # (1, H|G, N, Dh)
+        flat = lambda t: t[0].transpose(0, 1).reshape(n, -1)  # noqa: E731  (N, H|G * Dh)
+        o = attn(flat(q), flat(k), flat(v))  # (N, H * Dh)
+        x = x + blk.attn.wo(o.to(x.dtype))
+        return blk.ffn(x[None], None, self.model.dispatch)[0][0]
+
+    def _concept_blocks(self, c: torch.Tensor, cos, sin) -> torch.Tensor:
+        m = self.model
+        for loop in range(self.cfg.concept_loops):
+            for i, blk in enumerate(m.concept):
+                c = self._block(blk, self.concept_attn[loop * len(m.concept) + i], c, cos, sin)
+        return c
+
+    def _concepts_dummy(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
+        return self._concept_blocks(h, cos, sin) - h
+
+    def _terms(self, n: int, device: torch.device):
+        """An elastic model's ratio terms at the export's R (or its design R) for n positions."""
+        return self.model.ratio_terms(self.ratio, n, device)
+
+    def _concepts(self, h: torch.Tensor, positions: torch.Tensor, md: dict) -> torch.Tensor:
+        """Route, run the new concepts, dechunk: the z (N, D) every token of the batch reads."""
+        m, cfg = self.model, self.cfg
+        tok_md = md[self.token_attn[0].layer_name]
+        groups = self._concept_groups(md)
+        batch = self._batch(tok_md, groups[0][1])
+        n_real = batch.ends[-1] if batch.ends else 0
+        hr, pos = h[:n_real], positions[:n_real].long()
+        states = self._request_states(h)
+        for row, done in zip(batch.rows, batch.done):
+            if done == 0:
+                states.reset(row)
+        terms = self._terms(n_real, h.device)
+        h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
+        prev = None
+        if cfg.chunk_router == "cosine":
+            keys = m.chunk.key(h_in)  # (N, D) fp32
+            prev = torch.roll(keys, 1, 0)
+            for s, row, done in zip(batch.starts, batch.rows, batch.done):
+                if done:
+                    prev[s] = states.last_key[row]
+        shift = {} if terms is None else {"shift": terms.shift}
+        p, _ = m.chunk.step(h_in, prev, pos, **shift)  # (N,)
+        b = p >= 0.5
+        c_raw, c_pos, c_p, counts, firsts = self._gather(hr, b, p, batch, states)
+        z_tok = h.new_zeros(h.shape)
+        if c_raw.shape[0]:
+            c_in = c_raw if terms is None or terms.concept is None else c_raw + terms.concept[:1].to(c_raw.dtype)
+            self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
+            ccos, csin = self._rope(c_pos, h.dtype)
+            c = self._concept_blocks(c_in, ccos, csin)
+            src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
+        else:
+            src = h.new_zeros(0, h.shape[1])
+        self._dechunk(z_tok, src, c_p, b, batch, counts, states)
+        if cfg.chunk_router == "cosine":
+            ends = torch.tensor(batch.ends, device=h.device) - 1
+            states.last_key[batch.rows] = keys[ends]
+        self._report(groups, batch, states)
+        return z_tok
+
+    def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
+        """The concept layers grouped by block table (one per vLLM KV-cache group)."""
+        out: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for attn in self.concept_attn:
+            bt = md[attn.layer_name].block_table
+            out.setdefault(id(bt), ([], bt))[0].append(attn.layer_name)
+        return list(out.values())
+
+    def _batch(self, tok_md, concept_table: torch.Tensor) -> Batch:
+        qsl = tok_md.query_start_loc.tolist()
+        seq = tok_md.seq_lens.tolist()
+        n = len(qsl) - 1
+        ends, starts = qsl[1:], qsl[:-1]
+        done = [seq[r] - (ends[r] - starts[r]) for r in range(n)]
+        rows = concept_table[:n, 0].tolist()
+        return Batch(starts, ends, done, rows)
+
+    def _request_states(self, h: torch.Tensor) -> RequestStates:
+        if self._states is None:
+            blocks = self.concept_attn[0].kv_cache.shape[0]
+            self._states = RequestStates.empty(blocks, h.shape[1], h.dtype, h.device)
+        return self._states
+
+    def _gather(self, h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Batch, states: RequestStates):
+        """Each request's new concepts, in batch order: raw inputs (M, D), concept positions (M,),
+        their p (M,); new concepts per request and each request's concept count before the step."""
+        mean = self.cfg.concept_pooling == "mean"
+        raws, cpos, cps, counts, firsts = [], [], [], [], []
+        for s, e, row in zip(batch.starts, batch.ends, batch.rows):
+            idx = b[s:e].nonzero().flatten()  # boundaries, positions within the chunk
+            c0, k = int(states.concepts[row]), idx.numel()
+            counts.append(k)
+            firsts.append(c0)
+            if mean:
+                raw = self._mean_pool(h[s:e], idx, states, row)
+            else:
+                raw = h[s:e][idx]
+            raws.append(raw)
+            cpos.append(torch.arange(c0, c0 + k, device=h.device))
+            cps.append(p[s:e][idx])
+        cat = lambda xs, like: torch.cat(xs) if xs else like  # noqa: E731
+        return (cat(raws, h[:0]), cat(cpos, h.new_zeros(0, dtype=torch.long)), cat(cps, p[:0]), counts, firsts)
+
+    @staticmethod
+    def _mean_pool(hs: torch.Tensor, idx: torch.Tensor, states: RequestStates, row: int) -> torch.Tensor:
+        """Concept j = mean of the tokens since the previous boundary (the carried-over pool first)."""
+        n = hs.shape[0]
+        if idx.numel() == 0:
+            states.pool_sum[row] += hs.sum(0)
+            states.pool_count[row] += n
+            return hs[:0]
+        cs = hs.cumsum(0)  # (n, D)
+        upto = cs[idx]
+        before = torch.cat([torch.zeros_like(upto[:1]), upto[:-1]])
+        prev_pos = torch.cat([idx.new_tensor([-1]), idx[:-1]])
+        sums, cnt = upto - before, (idx - prev_pos).to(hs.dtype)
+        sums[0] += states.pool_sum[row]
+        cnt[0] += states.pool_count[row].to(hs.dtype)
+        last = int(idx[-1])
+        states.pool_sum[row] = hs[last + 1:].sum(0)
+        states.pool_count[row] = n - last - 1
+        return sums / cnt[:, None]
+
+    def _install_concept_metadata(self, md: dict, groups, batch: Batch, counts: list[int],
+                                  firsts: list[int], c_pos: torch.Tensor) -> None:
+        """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
+        reads it: the requests with new concepts, queries = their new concepts, context = all
+        their concepts, slots = the concept positions in the group's blocks."""
+        ctx = get_forward_context()
+        live = [r for r, k in enumerate(counts) if k]
+        dev = c_pos.device
+        qsl = torch.tensor([0] + [counts[r] for r in live], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq = torch.tensor([firsts[r] + counts[r] for r in live], dtype=torch.int32)
+        req = torch.repeat_interleave(torch.tensor(live, device=dev), torch.tensor([counts[r] for r in live],
+                                                                                  device=dev))  # (M,)
+        for names, table in groups:
+            kbs = self.concept_attn[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
+            bt = table[torch.tensor(live, device=table.device)]
+            slots = table[req, c_pos // kbs].long() * kbs + c_pos % kbs  # (M,)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=len(live),
+                num_actual_tokens=int(c_pos.numel()), max_query_len=max(counts), max_seq_len=int(seq.max()),
+                block_table_tensor=bt, slot_mapping=slots, causal=True)
+            cmd = self._metadata_builder().build(0, common)
+            for name in names:
+                ctx.attn_metadata[name] = cmd
+                ctx.slot_mapping[name] = slots
+
+    def _metadata_builder(self):
+        if self._builder is None:
+            layer = self.concept_attn[0]
+            spec = layer.get_kv_cache_spec(self.vllm_config)
+            names = [a.layer_name for a in self.concept_attn]
+            device = layer.kv_cache.device
+            self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
+        return self._builder
+
+    def _dechunk(self, z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor,
+                 batch: Batch, counts: list[int], states: RequestStates) -> None:
+        """z_j = p_j src_j + (1 - p_j) z_{j-1} over each request's concepts, from its kept z; every
+        token gets the z of its latest concept (its request's kept z before the first)."""
+        R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
+        cs = z_tok.new_zeros(R, width, D)
+        ps = torch.zeros(R, width, device=z_tok.device)
+        rows = torch.tensor(batch.rows, device=z_tok.device)
+        cs[:, 0], ps[:, 0] = states.z[rows], 1.0
+        off = 0
+        for r, k in enumerate(counts):
+            cs[r, 1:1 + k] = src[off:off + k]
+            ps[r, 1:1 + k] = c_p[off:off + k].float()
+            off += k
+        zs = ema_scan(ps, cs)  # (R, 1 + max new concepts, D)
+        for r, (s, e) in enumerate(zip(batch.starts, batch.ends)):
+            j = b[s:e].long().cumsum(0)  # concept each token reads (0: the kept z)
+            z_tok[s:e] = zs[r, j]
+            states.z[batch.rows[r]] = zs[r, counts[r]]
+        states.concepts[rows] += torch.tensor(counts, device=rows.device)
+
+    def _report(self, groups, batch: Batch, states: RequestStates) -> None:
+        """(tokens, concepts) of every request, for the concept groups' managers (``kv.py``)."""
+        table = self._feedback_table()
+        if table is None:
+            return
+        kbs = self.concept_attn[0].kv_cache.shape[2]
+        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
+        concepts = states.concepts[batch.rows].tolist()
+        for _, bt in groups:
+            first = bt[:len(batch.rows), 0].tolist()
+            for r, e in enumerate(batch.ends):
+                tokens = batch.done[r] + e - batch.starts[r]
+                table.write(first[r] // per_block, tokens, concepts[r])
+
+    def _feedback_table(self) -> FeedbackTable | None:
+        if self._feedback is None and not self._feedback_failed:
+            backend = self.vllm_config.parallel_config.distributed_executor_backend
+            engine = os.getppid() if backend == "mp" else os.getpid()
+            try:
+                self._feedback = FeedbackTable(engine, self.concept_attn[0].kv_cache.shape[0])
+            except OSError:
+                self._feedback_failed = True
+        return self._feedback
