@@ -58,3 +58,25 @@ def test_a_rerun_is_set_beside_its_record(tmp_path):
     assert abs(r["gap"] - (-0.02)) < 1e-12 and abs(r["recorded_gap"] - (-0.04)) < 1e-12
     assert r["machine"]["name"] == "Some CPU, AVX-512" and r["recorded_machine"] == "Old CPU, AVX2"
     assert r["provenance"]["cm"]["compression"] == 2.05 and r["wall_s"] == 123.0
+
+
+KEYS = {"round", "machine", "commit", "recipe", "precision", "threads", "processes", "compression", "train_s", "wall_s"}
+
+
+def test_every_seed_of_the_round3_records_has_its_provenance():
+    """Each run behind d1.2M-8seeds.json, long-context.json and conversion.json has every field
+    (a value or "unknown"); a seed added without one fails here."""
+    r3 = ROOT / "docs/study/round3"
+    d12 = json.loads((r3 / "d1.2M-8seeds.json").read_text())
+    for s in d12["seeds"]:
+        for kind in ("moe", "cm"):
+            assert KEYS <= set(d12["provenance"][str(s)][kind]), (s, kind)
+    prov = json.loads((r3 / "provenance.json").read_text())
+    for L, by in json.loads((r3 / "long-context.json").read_text())["runs"].items():
+        for seed, runs in by.items():
+            for lab in runs:
+                assert KEYS <= set(prov["long-context"][L][seed][lab]), (L, seed, lab)
+    conv = json.loads((r3 / "conversion.json").read_text())
+    for seed in map(str, conv["seeds"]):
+        for lab in ["moe", "scratch", *(r["label"] for r in conv["rows"])]:
+            assert KEYS <= set(prov["conversion"][seed][lab]), (seed, lab)
