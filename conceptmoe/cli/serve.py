@@ -16,8 +16,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", metavar="RUN", help="run directory (conceptmoe train / import-hf / convert)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    p.add_argument("--kv-cache-mb", type=float, default=256.0,
-                   help="bytes all requests' KV caches may hold, in MiB (default 256)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="builtin: this package's server (default); vllm: export the run if needed (RUN/vllm-export) "
+                        "and start vLLM's OpenAI server on it (the extra `vllm`; a ConceptMoE through the plugin, "
+                        "its concept KV cache paged at concept rate)")
+    p.add_argument("--vllm-args", default=None, metavar="ARGS",
+                   help="with --engine vllm: more arguments for vLLM's server, one string (e.g. \"--block-size 32\")")
+    p.add_argument("--kv-cache-mb", type=float, default=None,
+                   help="bytes all requests' KV caches may hold, in MiB (default 256; with --engine vllm: "
+                        "vLLM's --kv-cache-memory-bytes, default vLLM's own)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests decoded together (default 32)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="most requests queued for admission; past it new ones get 503 (default 256)")
@@ -33,6 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.kv_cache_mb is not None and not args.kv_cache_mb > 0:
+        raise UserError(f"--kv-cache-mb must be > 0, got {args.kv_cache_mb:g}")
+    if args.engine == "vllm":
+        from ..vllm_plugin.launch import VllmServeConfig, serve_vllm, split_extra
+
+        return serve_vllm(VllmServeConfig(args.run, args.host, args.port, args.kv_cache_mb, args.max_batch,
+                                          args.max_model_len, args.dtype, args.device, args.served_model_name,
+                                          extra=split_extra(args.vllm_args)))
+    if args.vllm_args:
+        raise UserError("--vllm-args applies to --engine vllm")
+    if args.kv_cache_mb is None:
+        args.kv_cache_mb = 256.0
     try:
         from ..serve.server import ServeConfig, serve
     except ImportError as e:
