@@ -138,7 +138,8 @@ def answers() -> str:
     g96, _ = _round2("9.6M")
     v48, v96 = says(interval(g48)), says(interval(g96))
     both = f"{v48} at both" if v48 == v96 else f"{v48} at 4.8M, {v96} at 9.6M"
-    two = (f"- **4.8M and 9.6M tokens ({len(g48)} and {len(g96)} seeds): {both}** (the ConceptMoE {tally(g48)} "
+    n = f"{len(g48)} seeds each" if len(g48) == len(g96) else f"{len(g48)} and {len(g96)} seeds"
+    two = (f"- **4.8M and 9.6M tokens ({n}): {both}** (the ConceptMoE {tally(g48)} "
            f"at 4.8M, {tally(g96)} at 9.6M). To settle: 8 seeds each, five more pairs per "
            f"budget, about {_train_hours('4.8M', 5):.0f} and {_train_hours('9.6M', 5):.0f} core-hours of training "
            f"alone on the round-2 CPUs (validation adds more), or minutes on a GPU "
