@@ -80,3 +80,15 @@ def test_every_seed_of_the_round3_records_has_its_provenance():
     for seed in map(str, conv["seeds"]):
         for lab in ["moe", "scratch", *(r["label"] for r in conv["rows"])]:
             assert KEYS <= set(prov["conversion"][seed][lab]), (seed, lab)
+
+
+def test_code_check_names_the_first_step_that_differs():
+    check = _mod("docs/study/round3/code_check.py", "t_code_check")
+    a = [{"step": i, "loss": 5.0 - i / 10, "grad_norm": 1.0} for i in range(1, 4)]
+    assert check.compare(a, [dict(x) for x in a]) == {"steps": [3, 3], "identical": True, "first_difference": None,
+                                                      "largest_difference": 0.0}
+    b = [dict(x) for x in a]
+    b[1]["loss"] += 1e-7
+    r = check.compare(a, b)
+    assert not r["identical"] and r["first_difference"]["step"] == 2 and abs(r["largest_difference"] - 1e-7) < 1e-12
+    assert not check.compare(a, b[:2])["identical"]  # a run that stopped early differs
