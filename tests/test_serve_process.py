@@ -49,6 +49,8 @@ def test_refusals_before_anything_listens(run, tmp_path):
     assert p.returncode == 2 and err.startswith("error: ") and "Traceback" not in err
     _one_line_error(_serve(str(run), "--kv-cache-mb", "0"), "--kv-cache-mb must be > 0")
     _one_line_error(_serve(str(run), "--port", "70000"), "--port must be in")
+    _one_line_error(_serve(str(run), "--port", "0", "--kv-cache-mb", "0.01"), "cannot hold one sequence")
+    _one_line_error(_serve(str(run), "--served-model-name", " "), "--served-model-name must not be empty")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
