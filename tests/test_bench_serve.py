@@ -32,6 +32,8 @@ def test_bench_serve_reports_runs_side_by_side(runs, tmp_path, capsys, monkeypat
     for r in rows:
         assert r["requests"] == 6 and 1 <= r["peak_concurrent"] <= 4 and r["output_tokens_per_s"] > 0
         assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["kv_bytes_per_token"] > 0
+        assert 0 < r["peak_kv_ledger_bytes"] <= r["kv_budget_bytes"] and r["peak_kv_tensor_bytes"] > 0
+        assert r["peak_rss_bytes"] is None or r["peak_rss_bytes"] > r["peak_kv_tensor_bytes"]
     assert rows[0]["compression"] == 1.0 and rows[2]["compression"] > rows[1]["compression"] > 1
     assert rows[2]["kv_bytes_per_token"] < rows[1]["kv_bytes_per_token"] < rows[0]["kv_bytes_per_token"]
     assert report["machine"]["cpu_flags"] is not None and "| elastic R=3 |" in (out / "serve.md").read_text()

@@ -7,7 +7,9 @@ tokens), sent at a Poisson rate or all at once with a bounded concurrency, to a
 ``conceptmoe serve`` the benchmark starts itself for each run with the same ``--kv-cache-mb``.
 Per run (and per ratio of an elastic run): request throughput, output tokens/s, time to first
 token and time per output token (mean, p50, p99), the peak number of sequences the KV pool held
-at once, KV bytes per token and the realised compression. One warm-up request precedes timing.
+at once, KV bytes per token and the realised compression, and what memory that took: the peak
+of the KV pool's ledger, the peak bytes of the K/V tensors the server really held, and the server
+process's peak resident set. One warm-up request precedes timing.
 """
 
 from __future__ import annotations
@@ -142,6 +144,17 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict)
         return results, time.perf_counter() - t0
 
 
+def peak_rss(pid: int) -> int | None:
+    """The process's peak resident set (Linux ``VmHWM``) in bytes; None where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "p50": None, "p99": None}
@@ -164,6 +177,8 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
             "ttft_s": _stats([r["ttft"] for r in results]),
             "tpot_s": _stats([r["tpot"] for r in results if r["tpot"] is not None]),
             "peak_concurrent": after["peak_running"],
+            "peak_kv_tensor_bytes": after.get("peak_kv_tensor_bytes"), "peak_kv_ledger_bytes": after.get("peak_bytes_used"),
+            "kv_budget_bytes": after.get("bytes_budget"),
             "preempted_rows": sum(x.get("preemptions", 0) for x in summaries),
             "kv_bytes_per_token": kv / fed if fed else None,
             "compression": fed / concepts if concepts else 1.0, **extra}
@@ -195,6 +210,7 @@ def run_serve_bench(s: ServeBenchSettings, held_out: list[int]) -> dict:
             proc, url = start_server(run, s, max_len)
             try:
                 row = measure(url, label, reqs, s, {"concept_ratio": R} if R else {})
+                row["peak_rss_bytes"] = peak_rss(proc.pid)
             finally:
                 proc.terminate()
                 proc.communicate(timeout=60)
@@ -207,8 +223,9 @@ def format_table(report: dict) -> str:
     rows = report["rows"]
     base = rows[0]
     head = ("| run | req/s | out tok/s | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
-            "| peak seqs | KV B/token | compression |")
-    lines = [head, "|" + "---|" * 9]
+            "| peak seqs | KV B/token | compression | peak KV ledger / tensors (MiB) | peak RSS (MiB) |")
+    lines = [head, "|" + "---|" * 11]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     for r in rows:
         t, p = r["ttft_s"], r["tpot_s"]
         tp = " / ".join("-" if v is None else f"{1000 * v:.1f}" for v in (p["mean"], p["p50"], p["p99"]))
@@ -216,7 +233,8 @@ def format_table(report: dict) -> str:
         lines.append(f"| {r['label']} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} "
                      f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x "
                      f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} "
-                     f"| {kvb} | {r['compression']:.2f} |")
+                     f"| {kvb} | {r['compression']:.2f} | {mib(r.get('peak_kv_ledger_bytes'))} / "
+                     f"{mib(r.get('peak_kv_tensor_bytes'))} | {mib(r.get('peak_rss_bytes'))} |")
     m = report["machine"]
     lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); KV budget "
                  f"{report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}")

@@ -78,6 +78,9 @@ class Metrics:
                     f'{prefix}_kv_blocks_free{{kind="concept"}} {engine["concept_blocks_free"]}']
             out += g("kv_bytes_used", "KV-pool bytes held.", engine["bytes_used"])
             out += g("kv_bytes_budget", "KV-pool budget in bytes (--kv-cache-mb).", engine["bytes_budget"])
+            out += g("kv_tensor_bytes", "Bytes of the K/V tensors held now (allocated, not the ledger).",
+                     engine["kv_tensor_bytes"])
+            out += g("kv_tensor_bytes_peak", "Most bytes the K/V tensors held at once.", engine["peak_kv_tensor_bytes"])
             out += g("peak_running", "Most requests held in the running batch at once.", engine["peak_running"])
             ratio = self.concept_tokens / self.concepts if self.concepts else 1.0
             out += g("compression_ratio", "Realised tokens per concept over finished requests (1: a MoE).", f"{ratio:.4f}")

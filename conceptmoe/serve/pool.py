@@ -73,6 +73,7 @@ class KVPool:
         self.layout, self.budget = layout, int(budget_bytes)
         self.held: dict = {}  # id -> [token blocks, concept blocks]
         self.token_blocks = self.concept_blocks = 0
+        self.peak_bytes = 0  # most bytes the ledger held at once
 
     @property
     def used_bytes(self) -> int:
@@ -98,6 +99,7 @@ class KVPool:
         self.held[seq] = [have[0] + dt, have[1] + dc]
         self.token_blocks += dt
         self.concept_blocks += dc
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         return True
 
     def free(self, seq) -> None:
@@ -111,7 +113,8 @@ class KVPool:
         return {"token_blocks_used": self.token_blocks, "concept_blocks_used": self.concept_blocks,
                 "token_blocks_free": free // lay.token_block_bytes,
                 "concept_blocks_free": free // lay.concept_block_bytes if lay.concept_block_bytes else 0,
-                "bytes_used": self.used_bytes, "bytes_budget": self.budget, "sequences": len(self.held)}
+                "bytes_used": self.used_bytes, "peak_bytes_used": self.peak_bytes, "bytes_budget": self.budget,
+                "sequences": len(self.held)}
 
 
 def expected_concepts(tokens: int, ratio: float | None) -> int:
