@@ -75,7 +75,12 @@ def _block_step(blk: Block, x, cos, sin, cache: KVCache, layer: int, dispatch: s
     return blk.ffn(x, None, dispatch)[0]
 
 
-def _new_cache(model, n_layers: int, batch: int, capacity: int, ref: torch.Tensor) -> KVCache:
+def _new_cache(model, n_layers: int, batch: int, capacity: int, ref: torch.Tensor, kind: str = "token",
+               make=None) -> KVCache:
+    """A dense ``KVCache``, or what ``make(kind, n_layers, batch, capacity, ref)`` gives (a server's
+    block storage, ``serve/paged.py``): "token" for the token-rate layers, "concept" for the concept layers."""
+    if make is not None:
+        return make(kind, n_layers, batch, capacity, ref)
     cfg = model.cfg
     return KVCache.empty(n_layers, batch, cfg.n_kv_heads, cfg.head_dim, capacity, ref.dtype, ref.device)
 
@@ -89,7 +94,7 @@ def _last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
             extra_capacity: int = 0, pixel_values: torch.Tensor | None = None,
             ratio: float | torch.Tensor | None = None, extrapolate: bool = False,
-            keep_hidden: bool = False) -> tuple[StepOutput, InferenceState]:
+            keep_hidden: bool = False, make_cache=None) -> tuple[StepOutput, InferenceState]:
     """Forward over right-padded prompts (B, T); returns last-token logits and the state.
 
     ``extra_capacity``: token entries to preallocate for the tokens still to come.
@@ -97,6 +102,8 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
     ``ratio``: an elastic ConceptMoE's R, one number or one per row (B,); kept for the decode steps
     (outside the trained range only with ``extrapolate``, as ``model(ids, ratio=, extrapolate=)``).
     ``keep_hidden``: also return the last layer's states of every position (prompt log-probabilities).
+    ``make_cache``: builds the caches instead of dense ``KVCache``s (``_new_cache``); a cache's
+    ``lengths`` are set before anything is written, so it may store only each row's real entries.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -109,24 +116,26 @@ def prefill(model, input_ids: torch.Tensor, lengths: torch.Tensor | None = None,
     if not isinstance(model, ConceptMoELM):
         if ratio is not None:
             raise ValueError("ratio: a plain MoE has no compression ratio")
-        cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x)
+        cache = _new_cache(model, len(model.layers), B, T + extra_capacity, x, make=make_cache)
+        cache.lengths = lengths.tolist()
         rows = _real_rows(valid)
         for i, blk in enumerate(model.layers):
             x = _block_prefill(blk, x, cos, sin, cache, i, rows, model.dispatch)
         cache.lengths = lengths.tolist()
         logits = model.lm_head(model.norm(_last(x, lengths)))
         return StepOutput(logits, hidden=x if keep_hidden else None), InferenceState(tokens=cache)
-    out, state = _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio, extrapolate)
+    out, state = _prefill_concept(model, x, cos, sin, lengths, valid, extra_capacity, ratio, extrapolate, make_cache)
     if not keep_hidden:
         out.hidden = None
     return out, state
 
 
 def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_capacity: int, ratio=None,
-                     extrapolate: bool = False):
+                     extrapolate: bool = False, make_cache=None):
     cfg, (B, T, _) = model.cfg, x.shape
     n_enc, n_con = len(model.encoder), len(model.concept)
-    tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x)
+    tokens = _new_cache(model, n_enc + len(model.decoder), B, T + extra_capacity, x, make=make_cache)
+    tokens.lengths = lengths.tolist()
     rows = _real_rows(valid)
     for i, blk in enumerate(model.encoder):
         x = _block_prefill(blk, x, cos, sin, tokens, i, rows, model.dispatch)
@@ -137,7 +146,8 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     b[:, 0] = True
     ch = gather_concepts(h, p, b, cfg.concept_pooling)
     C = ch.concepts.shape[1]
-    concepts = _new_cache(model, n_con * cfg.concept_loops, B, C + 1, x)
+    concepts = _new_cache(model, n_con * cfg.concept_loops, B, C + 1, x, "concept", make_cache)
+    concepts.lengths = ch.mask.sum(1).tolist()
     c = c_in = model.concept_input(ch.concepts, ch.mask, terms)  # (B, C, D)
     ccos, csin = model.rope(C, x.device, x.dtype)  # concept index as RoPE position
     concept_rows = _real_rows(ch.mask)

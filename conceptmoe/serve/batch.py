@@ -3,9 +3,10 @@
 Continuous batching (``engine.py``) keeps one ``InferenceState`` (``inference/cache.py``) for all
 running requests. A request joins by being prefilled on its own (or with the others admitted at
 the same step) and concatenated to the running state; it leaves by the running state keeping
-every row but its own. Each row's caches are ragged already (its own token and concept counts),
-so joining only pads the K/V buffers to a common capacity and concatenates along the batch;
-every per-row tensor of the chunk and dechunk states, and an elastic model's ratio terms, follow
+every row but its own. The server's caches are block storage (``paged.py``): joining and leaving
+only concatenate or select the rows' ids and lengths, no K/V entry moves. Dense caches
+(``inference/cache.py``) are ragged already, so joining pads their K/V buffers to a common
+capacity and concatenates along the batch. Every per-row tensor of the chunk and dechunk states, and an elastic model's ratio terms, follow
 the same rows.
 
 Shape legend: B rows, G key/value heads, cap cache capacity, Dh head dim, D d_model.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inference.cache import ChunkState, DechunkState, InferenceState, KVCache
+from .paged import PagedKVCache
 
 
 def _pad_cap(t: torch.Tensor, cap: int) -> torch.Tensor:
@@ -26,7 +28,9 @@ def _pad_cap(t: torch.Tensor, cap: int) -> torch.Tensor:
     return t if t.shape[2] == cap else F.pad(t, (0, 0, 0, cap - t.shape[2]))
 
 
-def cat_caches(caches: list[KVCache]) -> KVCache:
+def cat_caches(caches: list) -> KVCache:
+    if isinstance(caches[0], PagedKVCache):  # block storage: the rows' block tables, no entry copied
+        return PagedKVCache.cat(caches)
     cap = max(c.capacity for c in caches)
     n = len(caches[0].k)
     k = [torch.cat([_pad_cap(c.k[i], cap) for c in caches]) for i in range(n)]
@@ -36,6 +40,8 @@ def cat_caches(caches: list[KVCache]) -> KVCache:
 
 def select_cache(cache: KVCache, rows: list[int]) -> KVCache:
     """Keep ``rows``; capacity shrinks to the whole blocks the kept rows need."""
+    if isinstance(cache, PagedKVCache):
+        return cache.select(rows)
     idx = torch.tensor(rows, device=cache.k[0].device)
     lengths = [cache.lengths[r] for r in rows]
     cap = min(cache.capacity, max(cache.block, -(-max(lengths, default=1) // cache.block) * cache.block))
@@ -79,7 +85,7 @@ def cat_states(states: list[InferenceState]) -> InferenceState:
 
 def select_state(state: InferenceState, rows: list[int]) -> InferenceState:
     """The state of ``rows`` only (in that order)."""
-    idx = torch.tensor(rows, dtype=torch.long, device=state.tokens.k[0].device)
+    idx = torch.tensor(rows, dtype=torch.long, device=state.dechunk.z.device if state.dechunk else None)
     pick = lambda t: None if t is None else t[idx]  # noqa: E731
     chunk = dechunk = concepts = None
     if state.concepts is not None:

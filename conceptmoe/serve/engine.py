@@ -37,6 +37,7 @@ import torch
 
 from ..inference.steps import decode_step, prefill
 from .batch import cat_states, select_state
+from .paged import PagedKVCache, PageStore, PoolExhausted
 from .pool import KVLayout, KVPool, expected_concepts
 from .request import Event, Refused, Request
 from .sampling import is_plain, pick, process, prompt_logprobs, top_logprobs
@@ -54,8 +55,11 @@ class Engine:
         self.model = model.eval()
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.layout = KVLayout.of(model, self.dtype)
-        self.pool = KVPool(self.layout, kv_bytes)
+        self.layout = lay = KVLayout.of(model, self.dtype)
+        pages = kv_bytes // lay.page_bytes  # the whole budget, allocated once as pages (``paged.py``)
+        self.pool = KVPool(lay, pages * lay.page_bytes)  # (refuses a budget that holds no sequence)
+        self.pool.store = PageStore(pages, model.cfg.n_kv_heads, model.cfg.head_dim, lay.block, self.dtype,
+                                    self.device)
         self.concept = model.cfg.is_concept
         self.design_ratio = model.cfg.compression_ratio if self.concept else None
         self.elastic = self.concept and model.cfg.elastic_ratios is not None
@@ -67,6 +71,8 @@ class Engine:
         self.cv = threading.Condition()
         self.accepting, self.stopped = True, False
         self.admit_blocked = False  # a prefilled request did not fit: wait for blocks to be freed
+        self.admit_one = False  # a prefill ran out of blocks: the next one takes one request
+        self.admitting: list[Request] = []  # taken from the queue this loop (answered even if a bug strikes)
         self.steps = self.peak_running = self.refused = 0
         self.peak_tensor_bytes = 0  # most K/V tensor bytes the running batch's caches held at once
         self.thread = threading.Thread(target=self._loop, name="conceptmoe-engine", daemon=True)
@@ -143,11 +149,8 @@ class Engine:
         req.decided.append(len(req.generated) - 1)
 
     def _tensor_bytes(self) -> int:
-        """Bytes of the K/V tensors the running batch holds now (allocated, not the ledger)."""
-        s = self.state
-        if s is None:
-            return 0
-        return s.tokens.bytes_allocated() + (s.concepts.bytes_allocated() if s.concepts is not None else 0)
+        """Bytes of the K/V tensors the server holds (allocated, not the ledger): the page store."""
+        return self.pool.store.bytes_allocated()
 
     def _loop(self) -> None:
         while True:
@@ -164,6 +167,11 @@ class Engine:
             except Exception as e:  # a bug outside the model's steps: fail the rows it touched, keep serving
                 traceback.print_exc()
                 self._fail_running(e)
+                with self.cv:
+                    lost = [r for r in self.admitting if r.finish_reason is None and r not in self.waiting]
+                for r in lost:  # taken from the queue, never joined: they must hear too
+                    self._finish(r, "error", f"{type(e).__name__}: {e}")
+            self.admitting = []
 
     @staticmethod
     def _emit(req: Request, ev: Event) -> None:
@@ -227,7 +235,7 @@ class Engine:
         new: list[Request] = []
         with self.cv:
             free = self.pool.free_bytes - (self._reserve() if self.running else 0)
-            while self.waiting and len(self.running) + len(new) < self.max_batch:
+            while self.waiting and len(self.running) + len(new) < self.max_batch and not (self.admit_one and new):
                 r = self.waiting[0]
                 need = self._estimate(r, r.seen + 1)
                 if need > free:
@@ -236,8 +244,20 @@ class Engine:
                 new.append(self.waiting.popleft())
         if not new:
             return
+        self.admitting, self.admit_one = new, False
         try:
             out, state, seqs = self._prefill(new)
+        except PoolExhausted:  # its prompts cut more concepts than admission expected
+            for r in new:
+                self.pool.free(r.id)
+            if self.running or len(new) > 1:  # wait for rows to leave, or try the first one alone
+                with self.cv:
+                    self.waiting.extendleft(reversed(new))
+                self.admit_blocked, self.admit_one = bool(self.running), True
+            else:
+                self._finish(new[0], "error", f"the prompt needs more KV cache than the whole pool "
+                                              f"({self.pool.budget / 2**20:.2f} MiB, --kv-cache-mb)")
+            return
         except Exception as e:  # noqa: BLE001 - the rows of this prefill end, nothing else does
             traceback.print_exc()
             for r in new:
@@ -288,7 +308,9 @@ class Engine:
         if self.elastic:
             ratio = torch.tensor([self._ratio(r) for r in new], device=self.device)
         want = [i for i, r in enumerate(new) if r.prompt_logprobs is not None and r.prompt_lp is None]
-        out, state = prefill(self.model, ids, lens, ratio=ratio, keep_hidden=bool(want))
+        seq_ids = [r.id for r in new]
+        make = lambda kind, *_: PagedKVCache(self.pool, 0 if kind == "token" else 1, seq_ids)  # noqa: E731
+        out, state = prefill(self.model, ids, lens, ratio=ratio, keep_hidden=bool(want), make_cache=make)
         with torch.no_grad():
             for i in want:
                 r = new[i]
@@ -344,7 +366,8 @@ class Engine:
             return
         self.steps += 1
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self._tensor_bytes())
-        full = []
+        full = [r for r in self.running if r.id in self.state.tokens.overflowed
+                or (self.state.concepts is not None and r.id in self.state.concepts.overflowed)]
         for r in self.running:
             r.fed += 1
         if out.boundary is not None:
@@ -352,7 +375,7 @@ class Engine:
                 if b:
                     r.concepts += 1
                     self._boundary(r)
-                    if not self.pool.grow(r.id, r.seen, r.concepts):
+                    if not self.pool.grow(r.id, r.seen, r.concepts) and r not in full:
                         full.append(r)  # only a lone row steps without headroom (``_make_room``)
         self._sample_and_emit(out.logits, self.running, offset=0, out_of_memory=full)
 

@@ -8,10 +8,11 @@ paged attention does: a sequence takes its n-th token block when its token count
 (n - 1) x block. Both kinds draw on one byte budget (``--kv-cache-mb``), so a ConceptMoE, whose
 concept blocks fill about R times slower, holds more sequences in the same memory.
 
-The pool is the server's admission ledger: the engine asks it before a sequence is admitted or
-grows, and frees a sequence's blocks when it finishes, is cancelled or preempted. The tensors
-themselves live in the running batch's ragged caches (``inference/cache.py``), which the engine
-keeps sized to the rows it holds.
+The engine asks the pool before a sequence is admitted or grows, and frees a sequence's blocks
+when it finishes, is cancelled or preempted. With a ``PageStore`` (``paged.py``; the engine always
+gives one) the pool is the allocator of real memory: the budget is the store's pages, allocated
+once, and each block a sequence holds is one page per layer of its kind (``pages``, the
+sequence's block tables). Without one it is only a ledger (a unit test's).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class KVLayout:
     token_entry_bytes: int  # K and V of one token over all token-rate layers
     concept_entry_bytes: int  # K and V of one concept over all concept layers x loops (0: a MoE)
     block: int = BLOCK
+    n_token_layers: int = 1
+    n_concept_layers: int = 0
 
     @classmethod
     def of(cls, model, dtype: torch.dtype, block: int = BLOCK) -> "KVLayout":
@@ -41,7 +44,19 @@ class KVLayout:
             n_con = len(model.concept) * cfg.concept_loops
         else:
             n_tok, n_con = len(model.layers), 0
-        return cls(per_layer * n_tok, per_layer * n_con, block)
+        return cls(per_layer * n_tok, per_layer * n_con, block, n_tok, n_con)
+
+    def layers(self, kind: int) -> int:
+        """Layers of a kind (0 token-rate, 1 concept): pages per block of that kind."""
+        return self.n_concept_layers if kind else self.n_token_layers
+
+    def entry_bytes(self, kind: int) -> int:
+        return self.concept_entry_bytes if kind else self.token_entry_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V of one block of one layer."""
+        return self.token_entry_bytes // max(self.n_token_layers, 1) * self.block
 
     @property
     def token_block_bytes(self) -> int:
@@ -66,12 +81,14 @@ class KVLayout:
 class KVPool:
     """Block ledger under a byte budget; sequences are keyed by any hashable id."""
 
-    def __init__(self, layout: KVLayout, budget_bytes: int) -> None:
+    def __init__(self, layout: KVLayout, budget_bytes: int, store=None) -> None:
         if budget_bytes < layout.token_block_bytes + layout.concept_block_bytes:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no sequence: one token block and one "
                              f"concept block take {layout.token_block_bytes + layout.concept_block_bytes}")
         self.layout, self.budget = layout, int(budget_bytes)
         self.held: dict = {}  # id -> [token blocks, concept blocks]
+        self.store = store  # a PageStore whose pages back the blocks (None: a ledger only)
+        self.pages: dict = {}  # id -> ([token block: [page per layer]], [concept block: [...]])
         self.token_blocks = self.concept_blocks = 0
         self.peak_bytes = 0  # most bytes the ledger held at once
 
@@ -93,19 +110,39 @@ class KVPool:
         have = self.held.get(seq, [0, 0])
         dt = max(0, self.layout.blocks(tokens) - have[0])
         dc = max(0, self.layout.blocks(concepts) - have[1]) if self.layout.concept_entry_bytes else 0
-        cost = dt * self.layout.token_block_bytes + dc * self.layout.concept_block_bytes
-        if cost > self.free_bytes:
+        if dt * self.layout.token_block_bytes + dc * self.layout.concept_block_bytes > self.free_bytes:
             return False
-        self.held[seq] = [have[0] + dt, have[1] + dc]
-        self.token_blocks += dt
-        self.concept_blocks += dc
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        self._take(seq, 0, dt)
+        self._take(seq, 1, dc)
         return True
+
+    def reserve(self, seq, kind: int, entries: int) -> bool:
+        """``grow`` for one kind of layer (0 token, 1 concept), the other kind as held."""
+        have = self.held.get(seq, [0, 0])
+        tokens = entries if kind == 0 else have[0] * self.layout.block
+        concepts = entries if kind == 1 else have[1] * self.layout.block
+        return self.grow(seq, tokens, concepts)
+
+    def _take(self, seq, kind: int, n: int) -> None:
+        held = self.held.setdefault(seq, [0, 0])
+        held[kind] += n
+        if kind:
+            self.concept_blocks += n
+        else:
+            self.token_blocks += n
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        if self.store is not None and n:
+            blocks = self.pages.setdefault(seq, ([], []))[kind]
+            for _ in range(n):
+                blocks.append(self.store.take(self.layout.layers(kind)))
 
     def free(self, seq) -> None:
         t, c = self.held.pop(seq, (0, 0))
         self.token_blocks -= t
         self.concept_blocks -= c
+        for blocks in self.pages.pop(seq, ([], [])):
+            for b in blocks:
+                self.store.give_back(b)
 
     def stats(self) -> dict[str, int]:
         """Blocks used, and blocks free if the rest of the budget went to that kind alone."""
