@@ -8,13 +8,10 @@ elastic model, ratio) -> sample each row with its own settings and generator -> 
 finished leave the batch and free their blocks. Each request's ``emit`` callback receives an
 ``Event`` per new token, called from the scheduler thread; the HTTP side never touches tensors.
 
-Memory: a row's next token block is taken before the step that writes it, and a concept block
-only after a step in which the row hit a boundary; before each step the pool must have room for
-one concept block for every row whose concept blocks are full. When it has not, the row that
-arrived last is preempted (its blocks freed, its prompt plus the tokens it has produced requeued
-at the front, recomputed by the next prefill), as vLLM does; a row re-admitted since the last
-step goes only if no other can, a lone row is never preempted for headroom, and admission
-leaves the running rows' next blocks free, so rows do not push each other out in turn.
+Memory: the K/V entries live in block storage (``paged.py``): the budget is allocated once as
+pages, and the pool (``pool.py``) gives each request blocks of pages, a token block before the
+step that writes it, a concept block in the step whose token starts a concept. Admission,
+headroom and preemption follow ``policy.py``.
 
 Isolation: a prefill that raises ends the requests of that prefill, a decode step that raises
 ends the rows of that step (each with an ``error`` event) and a row whose logits are not finite
@@ -38,14 +35,15 @@ import torch
 from ..inference.steps import decode_step, prefill
 from .batch import cat_states, select_state
 from .paged import PagedKVCache, PageStore, PoolExhausted
+from .policy import MemoryPolicy
 from .pool import KVLayout, KVPool, expected_concepts
 from .request import Event, Refused, Request
-from .sampling import is_plain, pick, process, prompt_logprobs, top_logprobs
+from .sampling import prompt_logprobs, sample_row
 
 __all__ = ["Engine", "Event", "Refused", "Request"]
 
 
-class Engine:
+class Engine(MemoryPolicy):
     """Continuous batching over one model; see the module docstring."""
 
     def __init__(self, model, kv_bytes: int, max_batch: int = 32, max_waiting: int = 256,
@@ -217,18 +215,6 @@ class Engine:
                 self._finish(r, "cancelled")
             self._remove(dead)
 
-    def _reserve(self) -> int:
-        """Pool bytes the running rows may take at the next step: their next token block, and a
-        concept block for each row whose concept blocks are full. Admission leaves them free, so a
-        newly admitted row does not push a running one out (and get itself preempted in turn)."""
-        lay, need = self.layout, 0
-        for r in self.running:
-            held = self.pool.held.get(r.id, [0, 0])
-            need += max(0, lay.blocks(r.seen) - held[0]) * lay.token_block_bytes
-            if lay.concept_entry_bytes and r.concepts % lay.block == 0:
-                need += lay.concept_block_bytes
-        return need
-
     def _admit(self) -> None:
         if self.admit_blocked:
             return
@@ -318,41 +304,6 @@ class Engine:
         out.hidden = None
         return out, state, seqs
 
-    def _victim(self, protect: Request | None = None) -> Request | None:
-        """The row to preempt: the latest arrival (vLLM's first-come-first-served priority), never
-        ``protect``, and a row re-admitted since the last step only if no other row can go."""
-        rows = [r for r in self.running if r is not protect]
-        settled = [r for r in rows if not (r.preemptions and r.admitted_step >= self.steps)]
-        pool = settled or rows
-        return max(pool, key=lambda r: (r.arrival, r.id)) if pool else None
-
-    def _preempt(self, r: Request) -> None:
-        self.pool.free(r.id)
-        self.admit_blocked = False
-        r.preemptions += 1
-        with self.cv:
-            self.waiting.appendleft(r)
-        self._remove([r])
-
-    def _make_room(self) -> None:
-        """Before a step: every row's next token block, and room for a concept block per full row."""
-        for r in list(self.running):
-            while r in self.running and not self.pool.grow(r.id, r.seen, r.concepts):
-                v = self._victim(protect=r)
-                if v is None:  # alone and out of memory: it ends here
-                    self._finish(r, "length")
-                    self._remove([r])
-                else:
-                    self._preempt(v)
-        lay = self.layout
-        # A lone row is never preempted for headroom: recomputing it frees nothing it could use. It
-        # steps, and ends ("length") only if it then starts a concept the pool cannot hold.
-        while len(self.running) > 1 and lay.concept_entry_bytes:
-            full = sum(1 for r in self.running if r.concepts % lay.block == 0)
-            if full * lay.concept_block_bytes <= self.pool.free_bytes:
-                break
-            self._preempt(self._victim())
-
     def _decode(self) -> None:
         self._make_room()
         if not self.running:
@@ -379,17 +330,6 @@ class Engine:
                         full.append(r)  # only a lone row steps without headroom (``_make_room``)
         self._sample_and_emit(out.logits, self.running, offset=0, out_of_memory=full)
 
-    def _sample_one(self, r: Request, logits: torch.Tensor, greedy: int) -> tuple[int, tuple | None]:
-        """(token, its log-probabilities or None) for row ``r`` from its raw logits (V,)."""
-        if r.temperature == 0 and is_plain(r):
-            tok = greedy
-        else:
-            tok = pick(process(logits, r, r.eos), r)
-        lp = None
-        if r.logprobs is not None:
-            lp = top_logprobs(logits.float().log_softmax(-1), tok, r.logprobs)
-        return tok, lp
-
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[Request], offset: int,
                          out_of_memory: list[Request] = ()) -> None:
         """Sample one token for each of ``rows`` (running rows offset..offset+n), emit, retire finished rows.
@@ -415,7 +355,7 @@ class Engine:
             try:
                 if not finite[i]:
                     raise FloatingPointError("the model's logits for this request are not finite")
-                tok, lp = self._sample_one(r, logits[i], greedy[i])
+                tok, lp = sample_row(r, logits[i], greedy[i])
             except Exception as e:  # noqa: BLE001 - this request ends, the batch goes on
                 done.append((r, "error", f"sampling failed: {type(e).__name__}: {e}"))
                 continue

@@ -77,3 +77,15 @@ def prompt_logprobs(model, hidden: torch.Tensor, ids: list[int], k: int) -> list
         for i in range(e - s):
             out.append(top_logprobs(lp[i], ids[s + i + 1], k))
     return out
+
+
+def sample_row(r, logits: torch.Tensor, greedy: int) -> tuple[int, tuple | None]:
+    """(token, its log-probabilities or None) for row ``r`` from its raw logits (V,)."""
+    if r.temperature == 0 and is_plain(r):
+        tok = greedy
+    else:
+        tok = pick(process(logits, r, r.eos), r)
+    lp = None
+    if r.logprobs is not None:
+        lp = top_logprobs(logits.float().log_softmax(-1), tok, r.logprobs)
+    return tok, lp
