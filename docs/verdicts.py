@@ -101,14 +101,26 @@ def machines_sentence(rec: dict) -> str:
     return head + ": " + "; ".join(f"{m} (seeds {seed_range(ss)}): " + stated(g) for m, ss, g in parts)
 
 
+CODE_CHECK = "study/round3/code-check-1.2M.json"
+
+
 def rerun_sentence() -> str:
-    if not (DOCS / RERUN).is_file():
-        return ""
-    r = _load(RERUN)
-    d = {k: r["bpb"][k] - r["recorded"][k] for k in ("moe", "cm")}
-    return (f" Seed {r['seed']} rerun on today's code ({r['commit'][:7]}) on a third machine ({r['machine']['name']}): "
-            f"MoE {d['moe']:+.4f}, ConceptMoE {d['cm']:+.4f} against its round-{r['recorded_round']} values, "
-            f"gap {r['gap']:+.4f} (recorded {r['recorded_gap']:+.4f}).")
+    out = ""
+    if (DOCS / RERUN).is_file():
+        r = _load(RERUN)
+        d = {k: r["bpb"][k] - r["recorded"][k] for k in ("moe", "cm")}
+        out += (f" Seed {r['seed']} rerun on today's code ({r['commit'][:7]}) on a third machine "
+                f"({r['machine']['name']}): MoE {d['moe']:+.4f}, ConceptMoE {d['cm']:+.4f} against its "
+                f"round-{r['recorded_round']} values, gap {r['gap']:+.4f} (recorded {r['recorded_gap']:+.4f}).")
+    if (DOCS / CODE_CHECK).is_file():
+        c = _load(CODE_CHECK)
+        same = [m for m, x in c["models"].items() if x["identical"] and x["model_config_identical"]]
+        old, new = (c["commits"][k][:7] for k in ("old", "new"))
+        out += (f" On one machine, commits {old} (round 2's) and {new} train "
+                + ("both models bit for bit alike" if len(same) == len(c["models"]) else
+                   f"{' and '.join(same) or 'neither model'} bit for bit alike (the other differs)")
+                + f" over the first {c['steps']} steps (round 3's `code_check.py`).")
+    return out
 
 
 # --- README: the answers -------------------------------------------------------------------------
