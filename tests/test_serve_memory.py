@@ -48,9 +48,12 @@ def test_kv_tensors_never_exceed_the_budget_under_a_binding_load():
             s = eng.state
             if s is not None:
                 kinds = {type(c) for c in (s.tokens, s.concepts) if c is not None}
+                known = {store.k.data_ptr(), store.v.data_ptr(), store.work_k.data_ptr(), store.work_v.data_ptr()}
                 outside = [t for c in (s.tokens, s.concepts) if c is not None for t in _tensors(vars(c))
-                           if t.data_ptr() not in (store.k.data_ptr(), store.v.data_ptr()) and t is not getattr(c, "_table", None)]
-                readings.append((eng.pool.used_bytes, store.bytes_allocated(), kinds, len(outside), len(eng.running)))
+                           if t.data_ptr() not in known and t is not getattr(c, "_table", None)]
+                work = store.workspace_bytes()
+                readings.append((eng.pool.used_bytes, store.bytes_allocated(), kinds, len(outside), len(eng.running),
+                                 work))
             if ev.finish_reason:
                 done.release()
         prompts = _prompts(12, seed=5)
@@ -65,6 +68,9 @@ def test_kv_tensors_never_exceed_the_budget_under_a_binding_load():
         assert all(r[2] == {PagedKVCache} for r in readings), "a dense cache came back"
         assert all(r[1] == store.bytes_allocated() for r in readings)  # allocated once, never more
         assert all(r[3] == 0 for r in readings), "a cache holds K/V tensors outside the page store"
+        # the keys and values of the one layer a step attends with, gathered into a reused buffer:
+        # rows x the longest row's blocks of one layer, a transient of the step beside the budget
+        assert 0 < max(r[5] for r in readings) < budget
         assert max(r[0] for r in readings) <= budget and eng.snapshot()["peak_kv_tensor_bytes"] <= budget
         assert len(store.free) * eng.layout.page_bytes == store.bytes_allocated()  # every page back
         eng.shutdown(1)

@@ -130,6 +130,7 @@ class Engine(MemoryPolicy):
         with self.cv:
             return {"running": len(self.running), "waiting": len(self.waiting), "peak_running": self.peak_running,
                     "refused": self.refused, "steps": self.steps, "kv_tensor_bytes": self._tensor_bytes(),
+                    "kv_workspace_bytes": self.pool.store.workspace_bytes(),
                     "peak_kv_tensor_bytes": self.peak_tensor_bytes, **self.pool.stats()}
 
     # --- the scheduler thread ----------------------------------------------------------------------

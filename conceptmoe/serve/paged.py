@@ -30,14 +30,19 @@ class PoolExhausted(RuntimeError):
 
 
 class PageStore:
-    """K and V pages (P, G, blk, Dh), allocated once; a free list of page ids."""
+    """K and V pages (P, blk, G, Dh), allocated once; a free list of page ids. Entries lie before
+    heads, so a row's pages gathered in table order are its keys (Lk, G, Dh) without a transpose."""
 
     def __init__(self, n_pages: int, n_kv: int, head_dim: int, block: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
-        shape = (n_pages, n_kv, block, head_dim)
+        shape = (n_pages, block, n_kv, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block = block
+        # Workspaces the gathered keys and values of one layer are copied into, reused step after
+        # step (a fresh tensor each time costs more than the copy: new memory faults in page by page).
+        self.work_k = torch.empty(0, dtype=dtype, device=device)
+        self.work_v = torch.empty(0, dtype=dtype, device=device)
         self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() gives low ids first
         self.version = 0  # changes whenever a page is taken or given back (block tables are rebuilt)
 
@@ -52,6 +57,9 @@ class PageStore:
 
     def bytes_allocated(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def workspace_bytes(self) -> int:
+        return self.work_k.untyped_storage().nbytes() + self.work_v.untyped_storage().nbytes()
 
 
 class PagedKVCache:
@@ -107,8 +115,8 @@ class PagedKVCache:
         b_idx, t_idx = valid.nonzero(as_tuple=True)
         pages = self.table()[b_idx, layer, t_idx // self.block]
         offs = t_idx % self.block
-        self.store.k[pages, :, offs] = k[b_idx, :, t_idx].to(self.store.k.dtype)
-        self.store.v[pages, :, offs] = v[b_idx, :, t_idx].to(self.store.v.dtype)
+        self.store.k[pages, offs] = k[b_idx, :, t_idx].to(self.store.k.dtype)
+        self.store.v[pages, offs] = v[b_idx, :, t_idx].to(self.store.v.dtype)
 
     def _rows(self, rows: torch.Tensor | None) -> list[int]:
         return list(range(len(self.seqs))) if rows is None else rows.tolist()
@@ -127,8 +135,8 @@ class PagedKVCache:
         pos = torch.tensor([self.lengths[rr[i]] for i in keep], device=dev)
         pages = self.table()[idx, layer, pos // self.block]
         sel = torch.tensor(keep, device=dev)
-        self.store.k[pages, :, pos % self.block] = k[sel, :, 0].to(self.store.k.dtype)
-        self.store.v[pages, :, pos % self.block] = v[sel, :, 0].to(self.store.v.dtype)
+        self.store.k[pages, pos % self.block] = k[sel, :, 0].to(self.store.k.dtype)
+        self.store.v[pages, pos % self.block] = v[sel, :, 0].to(self.store.v.dtype)
 
     def gather(self, layer: int, rows: list[int], n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (n, G, Lk, Dh) of ``rows``' first ``n_keys`` entries, in block-table order."""
@@ -136,10 +144,14 @@ class PagedKVCache:
         nb = -(-n_keys // self.block)
         if pages.shape[1] < nb:  # an overflowed row's entry has no block: page 0 stands in (it is never used)
             pages = torch.nn.functional.pad(pages, (0, nb - pages.shape[1]))
-        pages = pages[:, :nb]
-        n, G, Dh = len(rows), self.store.k.shape[1], self.store.k.shape[3]
-        k = self.store.k[pages].transpose(1, 2).reshape(n, G, nb * self.block, Dh)[:, :, :n_keys]
-        v = self.store.v[pages].transpose(1, 2).reshape(n, G, nb * self.block, Dh)[:, :, :n_keys]
+        flat = pages[:, :nb].reshape(-1)
+        n, G, Dh = len(rows), self.store.k.shape[2], self.store.k.shape[3]
+        st = self.store
+        shape = (flat.numel(), self.block, G, Dh)
+        k = torch.index_select(st.k, 0, flat, out=st.work_k.resize_(shape))
+        v = torch.index_select(st.v, 0, flat, out=st.work_v.resize_(shape))
+        k = k.view(n, nb * self.block, G, Dh)[:, :n_keys].transpose(1, 2)
+        v = v.view(n, nb * self.block, G, Dh)[:, :n_keys].transpose(1, 2)
         return k, v
 
     def attend(self, layer: int, attn, q: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
