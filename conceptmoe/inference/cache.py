@@ -109,6 +109,28 @@ class KVCache:
                                     self.v[layer][r:r + 1, :, :n], causal=False))
         return torch.cat(outs)
 
+    def _chunk_index(self, n: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, chunk position, cache position) of the first n[b] chunk positions of every row b."""
+        T = max(n)
+        valid = torch.arange(T, device=device)[None] < torch.tensor(n, device=device)[:, None]
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        return b_idx, t_idx, torch.tensor(self.lengths, device=device)[b_idx] + t_idx
+
+    def put_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: list[int]) -> None:
+        """Chunked prefill: write the first n[b] positions of k/v (B, G, T, Dh) after row b's entries."""
+        self.reserve(max(a + c for a, c in zip(self.lengths, n)))
+        b_idx, t_idx, c_idx = self._chunk_index(n, k.device)
+        self.k[layer][b_idx, :, c_idx] = k[b_idx, :, t_idx]
+        self.v[layer][b_idx, :, c_idx] = v[b_idx, :, t_idx]
+
+    def attend_chunk(self, layer: int, attn, q: torch.Tensor) -> torch.Tensor:
+        """Attention of a chunk's queries q (B, H, T, Dh), query t of row b over the row's entries
+        and chunk positions up to t (causal; ``lengths`` not yet advanced). Returns (B, T, D)."""
+        T = q.shape[2]
+        L = max(self.lengths) + T
+        return attn.attend(q, self.k[layer][:, :, :L], self.v[layer][:, :, :L],
+                           chunk_mask(self.lengths, T, L, q.device), causal=False)
+
     def advance(self, rows: torch.Tensor | None = None) -> None:
         """Commit the entry written this step (for all rows, or for ``rows`` only)."""
         for r in (range(len(self.lengths)) if rows is None else rows.tolist()):
@@ -128,6 +150,13 @@ class KVCache:
 
     def bytes_allocated(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def chunk_mask(lengths: list[int], T: int, L: int, device) -> torch.Tensor:
+    """(B, 1, T, L) bool: chunk query t of row b sees keys 0 .. lengths[b] + t."""
+    keys = torch.arange(L, device=device)[None, None]  # (1, 1, L)
+    last = torch.tensor(lengths, device=device)[:, None, None] + torch.arange(T, device=device)[None, :, None]
+    return (keys <= last)[:, None]
 
 
 @dataclass

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from ..inference.cache import chunk_mask
+
 
 class PoolExhausted(RuntimeError):
     """A prefill needed more blocks than the pool had free."""
@@ -117,6 +119,25 @@ class PagedKVCache:
         offs = t_idx % self.block
         self.store.k[pages, offs] = k[b_idx, :, t_idx].to(self.store.k.dtype)
         self.store.v[pages, offs] = v[b_idx, :, t_idx].to(self.store.v.dtype)
+
+    def put_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor, n: list[int]) -> None:
+        """Chunked prefill: write the first n[b] positions of k/v (B, G, T, Dh) after row b's entries."""
+        if layer == 0:
+            self._ensure(list(range(len(self.seqs))), [a + c for a, c in zip(self.lengths, n)], strict=True)
+        T = k.shape[2]
+        valid = torch.arange(T, device=k.device)[None] < torch.tensor(n, device=k.device)[:, None]
+        b_idx, t_idx = valid.nonzero(as_tuple=True)
+        c_idx = torch.tensor(self.lengths, device=k.device)[b_idx] + t_idx
+        pages = self.table()[b_idx, layer, c_idx // self.block]
+        self.store.k[pages, c_idx % self.block] = k[b_idx, :, t_idx].to(self.store.k.dtype)
+        self.store.v[pages, c_idx % self.block] = v[b_idx, :, t_idx].to(self.store.v.dtype)
+
+    def attend_chunk(self, layer: int, attn, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk's queries q (B, H, T, Dh) over each row's entries and the chunk."""
+        T = q.shape[2]
+        L = max(self.lengths) + T
+        k, v = self.gather(layer, list(range(len(self.seqs))), L)
+        return attn.attend(q, k.to(q.dtype), v.to(q.dtype), chunk_mask(self.lengths, T, L, q.device), causal=False)
 
     def _rows(self, rows: torch.Tensor | None) -> list[int]:
         return list(range(len(self.seqs))) if rows is None else rows.tolist()
