@@ -1,0 +1,113 @@
+"""A live vLLM server started by ``conceptmoe serve --engine vllm``, on 127.0.0.1, for the tests.
+
+vLLM starts slowly (30-40 s here), so each test module shares one server per model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def need_vllm():
+    """Skip with one line where vLLM is missing (CI sets CONCEPTMOE_REQUIRE_VLLM=1: fail there)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CONCEPTMOE_REQUIRE_VLLM") == "1":
+            raise
+        pytest.skip(f"vLLM is not installed (pip install -e \".[vllm]\"): {e}", allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400):
+    """Yields the base URL of ``conceptmoe serve RUN --engine vllm ...``; stops it afterwards."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", "serve", str(run), "--engine", "vllm",
+                                 "--port", str(port), *cli], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while not re.search(r"^serving .* with vLLM at ", log.read_text(), re.M):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not start (exit {proc.poll()}); log tail:\n"
+                                   + log.read_text()[-3000:])
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+
+
+def metric(url: str, name: str) -> float:
+    """One unlabelled (or summed over labels) Prometheus value from vLLM's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    return sum(vals)
+
+
+class PeakRunning:
+    """Polls vllm:num_requests_running while a load runs; ``peak`` is the most seen at once."""
+
+    def __init__(self, url: str, every: float = 0.05) -> None:
+        self.url, self.every, self.peak = url, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                self.peak = max(self.peak, int(metric(self.url, "vllm:num_requests_running")))
+            time.sleep(self.every)
+
+    def __enter__(self) -> "PeakRunning":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def complete(url: str, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
+    """Completions of every prompt, sent concurrently; the generated token ids of each."""
+    def one(p):
+        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **extra}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+    out: list = [None] * len(prompts)
+
+    def run(i):
+        out[i] = one(prompts[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
