@@ -50,6 +50,11 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
                    help="elastic runs: measure at each of these R, e.g. 2,4 (other runs: ignored)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     p.add_argument("--seed", type=int, default=0, help="request draws and sampling seed (default 0)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="builtin: conceptmoe's server (default); vllm: `conceptmoe serve --engine vllm` for each "
+                        "run (the extra `vllm`; bench/vllm_serve.py)")
+    p.add_argument("--vllm-args", default="", metavar="ARGS",
+                   help="with --engine vllm: more arguments for every vLLM server, one string")
     p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -69,7 +74,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from .held_out import run_held_out_ids
 
     s.check()
-    report = run_serve_bench(s, run_held_out_ids(s.runs[0]).tolist())
+    if args.engine == "vllm":
+        from ..bench.vllm_serve import format_table, run_vllm_serve_bench
+        from ..vllm_plugin.launch import check_installed
+
+        check_installed()
+        report = run_vllm_serve_bench(s, run_held_out_ids(s.runs[0]).tolist(), args.vllm_args)
+    else:
+        if args.vllm_args:
+            raise UserError("--vllm-args applies to --engine vllm")
+        report = run_serve_bench(s, run_held_out_ids(s.runs[0]).tolist())
     table = format_table(report)
     print(table)
     report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate  # strict JSON: no Infinity

@@ -1,0 +1,175 @@
+"""``conceptmoe bench serve --engine vllm``: the same load against vLLM servers, runs side by side.
+
+The requests are ``bench/serve.py``'s (prompts cut from the first run's held-out text, EOS
+ignored, all at once or at a Poisson rate). Each run is served by ``conceptmoe serve RUN --engine
+vllm`` with the same ``--kv-cache-mb`` (vLLM's ``--kv-cache-memory-bytes``): a MoE run as its
+transformers family, a ConceptMoE through the plugin with its concept KV cache at concept rate.
+Per run: request throughput, output tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed
+chunks, the peak number of requests vLLM ran at once (``vllm:num_requests_running``, polled every
+50 ms), its preemptions, and its KV-cache capacity in tokens as its own start-up line states it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from ..device import machine
+from ..errors import UserError
+from .serve import ServeBenchSettings, _stats, make_requests, run_label
+
+READY = re.compile(r"^serving .* with vLLM at ", re.M)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def start(run: str, s: ServeBenchSettings, max_len: int, vllm_args: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _port()
+    env = dict(os.environ)
+    if s.threads:
+        env["OMP_NUM_THREADS"] = str(s.threads)
+    cmd = [sys.executable, "-m", "conceptmoe", "serve", run, "--engine", "vllm", "--port", str(port),
+           "--kv-cache-mb", str(s.kv_cache_mb), "--max-batch", str(s.max_batch), "--dtype", s.dtype,
+           "--device", s.device, "--max-model-len", str(max_len), "--vllm-args", vllm_args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    while not READY.search(log.read_text()):
+        if proc.poll() is not None:
+            tail = log.read_text().strip().splitlines()
+            raise UserError(f"vLLM for {run} did not start: {tail[-1] if tail else proc.returncode}")
+        time.sleep(0.5)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _one(http: httpx.AsyncClient, body: dict) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise UserError(f"a request failed with {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            e = json.loads(line[6:])
+            for c in e.get("choices") or []:
+                k = len(c.get("token_ids") or [])
+                if k:
+                    now = time.perf_counter()
+                    first = first or now
+                    last, n = now, n + k
+    return {"ttft": (first or t0) - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
+
+
+async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings) -> tuple[list[dict], float]:
+    import random
+
+    rng = random.Random(s.seed + 1)
+    sem = asyncio.Semaphore(s.concurrency or len(reqs))
+    limits = httpx.Limits(max_connections=len(reqs) + 1, max_keepalive_connections=len(reqs) + 1)
+    body = {"stream": True, "ignore_eos": True, "temperature": s.temperature, "seed": s.seed, "return_token_ids": True}
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        await _one(http, {**reqs[0], **body, "max_tokens": 2})  # warm-up
+
+        async def send(r, delay):
+            await asyncio.sleep(delay)
+            async with sem:
+                return await _one(http, {**r, **body})
+        t, delays = 0.0, []
+        for _ in reqs:
+            delays.append(t)
+            if s.rate != float("inf"):
+                t += rng.expovariate(s.rate)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(send(r, d) for r, d in zip(reqs, delays)))
+        return results, time.perf_counter() - t0
+
+
+def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings) -> dict:
+    peak, stop = [0], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], int(_metric(url, "vllm:num_requests_running")))
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    before = _metric(url, "vllm:num_preemptions_total")
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        results, wall = asyncio.run(_drive(url, reqs, s))
+    finally:
+        stop.set()
+        poller.join(5)
+    out = sum(r["tokens"] for r in results)
+    return {"label": label, "engine": "vllm", "requests": len(results), "seconds": wall,
+            "request_throughput": len(results) / wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+            "ttft_s": _stats([r["ttft"] for r in results]),
+            "tpot_s": _stats([r["tpot"] for r in results if r["tpot"] is not None]),
+            "peak_concurrent": peak[0], "preemptions": _metric(url, "vllm:num_preemptions_total") - before}
+
+
+def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: str = "") -> dict:
+    from ..training.checkpoint import load_run_meta
+
+    s.check()
+    if s.concept_ratios:
+        raise UserError("--concept-ratios: per-request R is not served by vLLM yet; export the run at one R")
+    reqs = make_requests(held_out, s)
+    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs) + 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in s.runs:
+            label = run_label(run)
+            print(f"bench serve (vLLM): {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
+            log = Path(tmp) / "server.log"
+            proc, url = start(run, s, max_len, vllm_args, log)
+            try:
+                row = measure(url, label, reqs, s)
+            finally:
+                proc.terminate()
+                proc.wait(120)
+            m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
+            row.update(run=run, kind=load_run_meta(run)[0].kind,
+                       kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
+            rows.append(row)
+    return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args}, "machine": machine(), "rows": rows}
+
+
+def format_table(report: dict) -> str:
+    rows, base = report["rows"], report["rows"][0]
+    lines = ["| run (vLLM) | req/s | out tok/s | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
+             "| peak running | preemptions | KV cache (tokens) |", "|" + "---|" * 9]
+    for r in rows:
+        t, p = r["ttft_s"], r["tpot_s"]
+        tp = " / ".join("-" if v is None else f"{1000 * v:.1f}" for v in (p["mean"], p["p50"], p["p99"]))
+        lines.append(f"| {r['label']} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} "
+                     f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x "
+                     f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} "
+                     f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} |")
+    m = report["machine"]
+    lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); "
+                 f"KV budget {report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}")
+    return "\n".join(lines)
