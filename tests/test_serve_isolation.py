@@ -14,6 +14,7 @@ import torch
 from test_serve_engine import _model, _prompts, _serve
 
 import conceptmoe.serve.engine as engine_mod
+import conceptmoe.serve.prefill as prefill_mod
 from conceptmoe.serve.engine import Engine, Request
 from conceptmoe.serve.pool import KVLayout
 
@@ -44,13 +45,13 @@ def test_a_row_whose_sampling_overflows_ends_alone():
 
 def test_a_raising_prefill_ends_only_its_requests(monkeypatch):
     m = _model("conceptmoe")
-    real = engine_mod.prefill
+    real = prefill_mod.prefill
 
     def prefill(model, ids, *a, **kw):
         if bool((ids[:, 0] == POISON).any()):
             raise RuntimeError("out of memory (injected)")
         return real(model, ids, *a, **kw)
-    monkeypatch.setattr(engine_mod, "prefill", prefill)
+    monkeypatch.setattr(prefill_mod, "prefill", prefill)
     eng = Engine(m, 2**22, max_batch=4).start()
     good, = _prompts(1, seed=12)
     bad_reqs, seen = [], threading.Event()

@@ -51,6 +51,7 @@ def test_refusals_before_anything_listens(run, tmp_path):
     _one_line_error(_serve(str(run), "--port", "70000"), "--port must be in")
     _one_line_error(_serve(str(run), "--port", "0", "--kv-cache-mb", "0.01"), "cannot hold one sequence")
     _one_line_error(_serve(str(run), "--served-model-name", " "), "--served-model-name must not be empty")
+    _one_line_error(_serve(str(run), "--max-prefill-tokens", "0"), "--max-prefill-tokens must be >= 1")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

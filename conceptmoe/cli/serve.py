@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most tokens (prompt + completion) per request (default: the run's training length)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV caches (default fp32)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens one step may prefill; longer prompts are prefilled in chunks (default 2048)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists (default: the run directory's name)")
     p.add_argument("--grace", type=float, default=10.0,
@@ -58,4 +60,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"serving needs the extra `serve`: pip install -e \".[serve]\" ({e})") from None
     return serve(ServeConfig(args.run, args.host, args.port, args.kv_cache_mb, args.max_batch, args.max_waiting,
                              args.max_model_len, args.dtype, args.device, args.grace,
-                             served_model_name=args.served_model_name))
+                             served_model_name=args.served_model_name,
+                             max_prefill_tokens=args.max_prefill_tokens))

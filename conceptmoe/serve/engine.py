@@ -32,23 +32,24 @@ from typing import Callable
 
 import torch
 
-from ..inference.steps import decode_step, prefill
+from ..inference.steps import decode_step
 from .batch import cat_states, select_state
-from .paged import PagedKVCache, PageStore, PoolExhausted
+from .paged import PageStore, PoolExhausted
 from .policy import MemoryPolicy
+from .prefill import ChunkedPrefill
 from .pool import KVLayout, KVPool, expected_concepts
 from .request import Event, Refused, Request
-from .sampling import prompt_logprobs, sample_row
+from .sampling import sample_row
 
 __all__ = ["Engine", "Event", "Refused", "Request"]
 
 
-class Engine(MemoryPolicy):
+class Engine(MemoryPolicy, ChunkedPrefill):
     """Continuous batching over one model; see the module docstring."""
 
     def __init__(self, model, kv_bytes: int, max_batch: int = 32, max_waiting: int = 256,
                  max_model_len: int = 2048, eos: list[int] | None = None,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None, max_prefill_tokens: int = 2048) -> None:
         self.eos = list(eos or [])  # the run's end-of-text ids: a request that samples one stops
         self.model = model.eval()
         p = next(model.parameters())
@@ -71,6 +72,9 @@ class Engine(MemoryPolicy):
         self.admit_blocked = False  # a prefilled request did not fit: wait for blocks to be freed
         self.admit_one = False  # a prefill ran out of blocks: the next one takes one request
         self.admitting: list[Request] = []  # taken from the queue this loop (answered even if a bug strikes)
+        self.max_prefill_tokens = max_prefill_tokens  # tokens a step may prefill (``prefill.py``)
+        self.cohort: list[Request] = []  # admitted, being prefilled chunk by chunk
+        self.cstate, self.clogits = None, {}
         self.steps = self.peak_running = self.refused = 0
         self.peak_tensor_bytes = 0  # most K/V tensor bytes the running batch's caches held at once
         self.thread = threading.Thread(target=self._loop, name="conceptmoe-engine", daemon=True)
@@ -117,10 +121,10 @@ class Engine(MemoryPolicy):
             self.accepting = False
             self.cv.notify()
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (self.running or self.waiting):
+        while time.monotonic() < deadline and (self.running or self.waiting or self.cohort):
             time.sleep(0.02)
         with self.cv:
-            for r in list(self.waiting) + self.running:
+            for r in list(self.waiting) + self.running + self.cohort:
                 r.cancelled = True
             self.stopped = True
             self.cv.notify()
@@ -128,7 +132,8 @@ class Engine(MemoryPolicy):
 
     def snapshot(self) -> dict:
         with self.cv:
-            return {"running": len(self.running), "waiting": len(self.waiting), "peak_running": self.peak_running,
+            return {"running": len(self.running) + len(self.cohort), "prefilling": len(self.cohort),
+                    "waiting": len(self.waiting), "peak_running": self.peak_running,
                     "refused": self.refused, "steps": self.steps, "kv_tensor_bytes": self._tensor_bytes(),
                     "kv_workspace_bytes": self.pool.store.workspace_bytes(),
                     "peak_kv_tensor_bytes": self.peak_tensor_bytes, **self.pool.stats()}
@@ -154,9 +159,9 @@ class Engine(MemoryPolicy):
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not (self.waiting or self.running or self.stopped):
+                while not (self.waiting or self.running or self.cohort or self.stopped):
                     self.cv.wait()
-                if self.stopped and not self.running and not self.waiting:
+                if self.stopped and not self.running and not self.waiting and not self.cohort:
                     return
             try:
                 self._drop_cancelled()
@@ -166,6 +171,7 @@ class Engine(MemoryPolicy):
             except Exception as e:  # a bug outside the model's steps: fail the rows it touched, keep serving
                 traceback.print_exc()
                 self._fail_running(e)
+                self._drop_cohort()
                 with self.cv:
                     lost = [r for r in self.admitting if r.finish_reason is None and r not in self.waiting]
                 for r in lost:  # taken from the queue, never joined: they must hear too
@@ -208,7 +214,7 @@ class Engine(MemoryPolicy):
             gone = [r for r in self.waiting if r.cancelled]
             for r in gone:
                 self.waiting.remove(r)
-        for r in gone:
+        for r in gone + self._drop_cancelled_cohort():
             self._finish(r, "cancelled")
         dead = [r for r in self.running if r.cancelled]
         if dead:
@@ -217,45 +223,49 @@ class Engine(MemoryPolicy):
             self._remove(dead)
 
     def _admit(self) -> None:
-        if self.admit_blocked:
-            return
-        new: list[Request] = []
-        with self.cv:
-            free = self.pool.free_bytes - (self._reserve() if self.running else 0)
-            while self.waiting and len(self.running) + len(new) < self.max_batch and not (self.admit_one and new):
-                r = self.waiting[0]
-                need = self._estimate(r, r.seen + 1)
-                if need > free:
-                    break  # first come, first served: no overtaking
-                free -= need
-                new.append(self.waiting.popleft())
-        if not new:
-            return
-        self.admitting, self.admit_one = new, False
-        try:
-            out, state, seqs = self._prefill(new)
-        except PoolExhausted:  # its prompts cut more concepts than admission expected
+        """Admit a cohort when none is being prefilled; feed the cohort one chunk (``prefill.py``)."""
+        if not self.cohort and not self.admit_blocked:
+            new: list[Request] = []
+            with self.cv:
+                free = self.pool.free_bytes - (self._reserve() if self.running else 0)
+                while self.waiting and len(self.running) + len(new) < self.max_batch and not (self.admit_one and new):
+                    r = self.waiting[0]
+                    need = self._estimate(r, r.seen + 1)
+                    if need > free:
+                        break  # first come, first served: no overtaking
+                    free -= need
+                    new.append(self.waiting.popleft())
             for r in new:
-                self.pool.free(r.id)
-            if self.running or len(new) > 1:  # wait for rows to leave, or try the first one alone
+                r.fed = 0
+            self.cohort, self.cstate, self.admit_one = new, None, self.admit_one and not new
+        if not self.cohort:
+            return
+        self.admitting = list(self.cohort)
+        try:
+            got = self._feed_cohort()
+        except PoolExhausted:  # its prompts cut more concepts than admission expected
+            rows = self._drop_cohort()
+            if self.running or len(rows) > 1:  # wait for rows to leave, or try the first one alone
                 with self.cv:
-                    self.waiting.extendleft(reversed(new))
+                    self.waiting.extendleft(reversed(rows))
                 self.admit_blocked, self.admit_one = bool(self.running), True
             else:
-                self._finish(new[0], "error", f"the prompt needs more KV cache than the whole pool "
-                                              f"({self.pool.budget / 2**20:.2f} MiB, --kv-cache-mb)")
+                self._finish(rows[0], "error", f"the prompt needs more KV cache than the whole pool "
+                                               f"({self.pool.budget / 2**20:.2f} MiB, --kv-cache-mb)")
             return
         except Exception as e:  # noqa: BLE001 - the rows of this prefill end, nothing else does
             traceback.print_exc()
-            for r in new:
+            for r in self._drop_cohort():
                 self._finish(r, "error", f"the prefill failed: {type(e).__name__}: {e}")
             return
+        if got is None:
+            return
+        new, logits, state = got
         kept, back = [], []
         for i, r in enumerate(new):
             r.concepts = len(state.boundaries[i]) if self.concept else 0
-            r.fed = len(seqs[i])
             # +1 token entry: the sampled token is written by the next step
-            (kept if self.pool.grow(r.id, len(seqs[i]) + 1, r.concepts) else back).append(i)
+            (kept if self.pool.grow(r.id, r.seen + 1, r.concepts) else back).append(i)
         if back and not self.running and not kept:
             # Alone, with the whole pool free, and still too big (its text cut more concepts than
             # the admission estimate): it can never run.
@@ -270,7 +280,7 @@ class Engine(MemoryPolicy):
         if not kept:
             return
         if back:
-            out.logits, state = out.logits[kept], select_state(state, kept)
+            logits, state = logits[kept], select_state(state, kept)
         admitted = [new[i] for i in kept]
         for r, b in zip(admitted, state.boundaries):
             r.admitted_step = self.steps
@@ -282,28 +292,7 @@ class Engine(MemoryPolicy):
         self.state = state if self.state is None else cat_states([self.state, state])
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_tensor_bytes = max(self.peak_tensor_bytes, self._tensor_bytes())
-        self._sample_and_emit(out.logits, admitted, offset=len(self.running) - len(admitted))
-
-    def _prefill(self, new: list[Request]):
-        """Prefill ``new`` together; rows that ask for prompt log-probabilities get them here, once."""
-        seqs = [r.prompt + r.generated for r in new]
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)
-        ids = torch.zeros(len(seqs), int(lens.max()), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s, device=self.device)
-        ratio = None
-        if self.elastic:
-            ratio = torch.tensor([self._ratio(r) for r in new], device=self.device)
-        want = [i for i, r in enumerate(new) if r.prompt_logprobs is not None and r.prompt_lp is None]
-        seq_ids = [r.id for r in new]
-        make = lambda kind, *_: PagedKVCache(self.pool, 0 if kind == "token" else 1, seq_ids)  # noqa: E731
-        out, state = prefill(self.model, ids, lens, ratio=ratio, keep_hidden=bool(want), make_cache=make)
-        with torch.no_grad():
-            for i in want:
-                r = new[i]
-                r.prompt_lp = prompt_logprobs(self.model, out.hidden[i, :len(r.prompt)], r.prompt, r.prompt_logprobs)
-        out.hidden = None
-        return out, state, seqs
+        self._sample_and_emit(logits, admitted, offset=len(self.running) - len(admitted))
 
     def _decode(self) -> None:
         self._make_room()

@@ -44,6 +44,7 @@ class MemoryPolicy:
         self.pool.free(r.id)
         self.admit_blocked = False
         r.preemptions += 1
+        r.fed = 0  # recomputed from the start by the next prefill
         with self.cv:
             self.waiting.appendleft(r)
         self._remove([r])

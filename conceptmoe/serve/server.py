@@ -37,6 +37,7 @@ class ServeConfig:
     device: str = "auto"
     grace: float = 10.0  # seconds in-flight requests get to finish after SIGTERM
     served_model_name: str | None = None  # the name clients send (default: the run directory's name)
+    max_prefill_tokens: int = 2048  # prompt tokens one engine step may prefill (chunked prefill)
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +52,8 @@ class ServeConfig:
             raise UserError(f"--dtype must be fp32 or bf16 (got {self.dtype!r})")
         if not self.grace >= 0:
             raise UserError(f"--grace must be >= 0 (got {self.grace})")
+        if self.max_prefill_tokens < 1:
+            raise UserError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise UserError("--served-model-name must not be empty")
 
@@ -81,7 +84,7 @@ def build(cfg: ServeConfig):
     eos = eos_list(token_ids(run_cfg, tok))
     metrics = Metrics()
     engine = Engine(model, int(cfg.kv_cache_mb * 2**20), cfg.max_batch, cfg.max_waiting, max_len, eos,
-                    on_finish=metrics.finished)
+                    on_finish=metrics.finished, max_prefill_tokens=cfg.max_prefill_tokens)
     limits = Limits(model=cfg.served_model_name or run.resolve().name, cfg=mcfg, max_model_len=max_len)
     ratio = mcfg.compression_ratio if mcfg.is_concept else None
     one = engine.layout.bytes_for(max_len + 1, expected_concepts(max_len + 1, ratio))
