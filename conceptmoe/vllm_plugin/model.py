@@ -50,6 +50,21 @@ from ..model.scan import ema_scan
 from .kv import ConceptAttentionSpec, FeedbackTable
 
 
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """One line for each engine setting the concept cache cannot serve yet."""
+    c, par = vllm_config, vllm_config.parallel_config
+    if c.cache_config.enable_prefix_caching:
+        raise ValueError("ConceptMoE in vLLM: prefix caching is not supported (concept blocks depend on where "
+                         "the router cuts); pass --no-enable-prefix-caching")
+    if c.speculative_config is not None:
+        raise ValueError("ConceptMoE in vLLM: speculative decoding is not supported (a rejected draft token "
+                         "may already have made a concept)")
+    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+        raise ValueError("ConceptMoE in vLLM: tensor and pipeline parallelism are not supported yet")
+    if not c.model_config.enforce_eager and c.device_config.device_type == "cuda":
+        raise ValueError("ConceptMoE in vLLM: the concept step has data-dependent shapes; pass --enforce-eager")
+
+
 class ConceptAttention(Attention):
     """A concept layer's attention: vLLM's, with a KV spec counted in concepts."""
 
@@ -100,6 +115,7 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        refuse_unsupported(vllm_config)
         self.vllm_config = vllm_config
         hf = vllm_config.model_config.hf_config
         cfg = ModelConfig.from_dict(hf.conceptmoe)
