@@ -114,12 +114,14 @@ def rerun_sentence() -> str:
                 f"round-{r['recorded_round']} values, gap {r['gap']:+.4f} (recorded {r['recorded_gap']:+.4f}).")
     if (DOCS / CODE_CHECK).is_file():
         c = _load(CODE_CHECK)
-        same = [m for m, x in c["models"].items() if x["identical"] and x["model_config_identical"]]
+        same = [m for m, x in c["models"].items()
+                if x["identical"] and x["weights_identical"] and x["model_config_identical"]]
         old, new = (c["commits"][k][:7] for k in ("old", "new"))
-        out += (f" On one machine, commits {old} (round 2's) and {new} train "
+        out += (f" On one machine, commits {old} (round 2's, inferred) and {new} train "
                 + ("both models bit for bit alike" if len(same) == len(c["models"]) else
                    f"{' and '.join(same) or 'neither model'} bit for bit alike (the other differs)")
-                + f" over the first {c['steps']} steps (round 3's `code_check.py`).")
+                + f" over the first {c['steps']} steps: every logged figure and the final weights, byte for byte "
+                  f"(round 3's `code_check.py`).")
     return out
 
 

@@ -8,8 +8,10 @@ AVX-512), and after a few steps so do the bits. This holds the machine fixed ins
 both commits' ``conceptmoe/`` with ``git archive``, trains the study's two models (the `small` MoE,
 lr 2e-3, and the default ConceptMoE at R = 2, `topk`, lr 1e-3; python-stdlib, batch 8 x 256, fp32,
 seed 0, one thread) for ``--steps`` steps with each, and compares every logged training figure
-step by step. Writes docs/study/round3/OUT.json: per model, whether the two commits' metrics and
-resolved model configs are identical, the first step that differs and the largest difference.
+step by step, and the final weights byte for byte. Writes docs/study/round3/OUT.json: per model,
+whether the metrics, the weights and the resolved model configs (fields the old commit did not
+have listed apart, with their values) are identical, the first step that differs and the largest
+difference. Finished runs under --work are reused.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def export(commit: str, where: Path) -> str:
 
 def train(tree: Path, model: str, steps: int, out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "conceptmoe", "train", *MODELS[model], *COMMON, "--max-steps", str(steps),
+    if not (out / "eval.json").is_file():  # a finished run in --work is reused
+        subprocess.run([sys.executable, "-m", "conceptmoe", "train", *MODELS[model], *COMMON, "--max-steps", str(steps),
                     "--out", str(out)], check=True, env=env, cwd=tree)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"grad_norm"' in line]
 
@@ -71,14 +74,19 @@ def main() -> int:
     for model in MODELS:
         runs = {side: train(a.work / side, model, a.steps, a.work / f"{side}-{model}") for side in commits}
         cfg = {side: json.loads((a.work / f"{side}-{model}" / "config.json").read_text()) for side in commits}
+        old, new = cfg["old"]["model"], cfg["new"]["model"]
+        weights = [(a.work / f"{side}-{model}" / "model.safetensors").read_bytes() for side in commits]
         res["models"][model] = {**compare(runs["old"], runs["new"]),
-                                "model_config_identical": cfg["old"]["model"] == cfg["new"]["model"],
+                                "weights_identical": weights[0] == weights[1],
+                                "model_config_identical": {k: v for k, v in new.items() if k in old} == old,
+                                "fields_only_new": {k: v for k, v in new.items() if k not in old},
                                 "precision": {s: c.get("precision") for s, c in cfg.items()},
                                 "environment": cfg["new"].get("environment", {}).get("start")}
     (HERE / f"{a.out}.json").write_text(json.dumps(res, indent=1, allow_nan=False) + "\n")
     for m, r in res["models"].items():
-        print(f"{m}: {'identical' if r['identical'] else 'differs'} over {r['steps']} steps, "
-              f"model config {'identical' if r['model_config_identical'] else 'differs'}")
+        print(f"{m}: metrics {'identical' if r['identical'] else 'differ'} over {r['steps']} steps, weights "
+              f"{'identical' if r['weights_identical'] else 'differ'}, model config "
+              f"{'identical' if r['model_config_identical'] else 'differs'} (new fields: {r['fields_only_new']})")
     return 0
 
 
