@@ -318,9 +318,8 @@ def small() -> ModelConfig:
 
     Two token-rate layers on each side, not one: with 1 + 6 + 1 the compute-matched ConceptMoE
     never learned in-context copying (induction needs two attention layers at token resolution)
-    and fell 0.20 BPB behind the MoE at 9.6M tokens on code; 2 + 4 + 2 copies, and its gap to the MoE
-    there is unresolved (3 seeds, fp32; the README's quality table, from docs/study/round2/d9.6M/).
-    The cost: a KV cache of 0.75x the MoE's, not 0.625x.
+    and fell 0.20 BPB behind the MoE at 9.6M tokens on code; 2 + 4 + 2 copies, its gap there unresolved
+    (3 seeds, fp32: the README's quality table). The cost: a KV cache of 0.75x the MoE's, not 0.625x.
 
     Three settings differ from CONCEPTMOE.md, from the studies in docs/study/report.md and
     docs/study-elastic/README.md: ratio-loss weight 0.5, not the paper's 0.03 (the ratio loss acts
