@@ -236,7 +236,7 @@ def test_64_concurrent_streaming_clients(runs):
         assert finished == 64
         for name in ("requests_running", "requests_waiting", "requests_refused_total", "prompt_tokens_total",
                      "generation_tokens_total", "kv_blocks_used{kind=\"concept\"}", "kv_blocks_free{kind=\"token\"}",
-                     "compression_ratio", "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count"):
+                     "compression_ratio", "kv_tensor_bytes", "kv_tensor_bytes_peak", "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_count"):
             assert f"conceptmoe_{name}" in metrics, name
 
 
