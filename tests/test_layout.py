@@ -24,8 +24,9 @@ ALLOWED = {
     "interop": {"model", "inference", "data", "training"},
     "harness": {"model", "inference", "data", "training"},  # lm-evaluation-harness: tasks and our LM
     "serve": {"model", "inference", "training"},  # conceptmoe serve: the engine drives inference/
+    "vllm_plugin": {"model", "interop"},  # vLLM's model class over ours; exports a run to serve it
     "cli": {"model", "inference", "data", "training", "evaluation", "bench", "interop", "harness", "parallel",
-            "serve"},
+            "serve", "vllm_plugin"},
 }
 
 
