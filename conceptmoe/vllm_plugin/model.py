@@ -131,10 +131,37 @@ class ConceptMoEForCausalLM(nn.Module):
         self.concept_attn = nn.ModuleList(attn(ConceptAttention, f"concept_attn.{i}",
                                                compression=float(self.ratio or cfg.compression_ratio))
                                           for i in range(n_concept))
+        # Each block's routed experts on vLLM's fused MoE kernels (our router and shared expert
+        # stay ours): the weights are copied in at load_weights.
+        self.fused = nn.ModuleList(self._fused_moe(blk.moe, f"{prefix}.fused.{i}") for i, blk in enumerate(self._blocks()))
+        self._index = {id(blk): i for i, blk in enumerate(self._blocks())}
         self._states: RequestStates | None = None
         self._builder = None
         self._feedback: FeedbackTable | None = None
         self._feedback_failed = False
+
+    def _blocks(self) -> list[Block]:
+        m = self.model
+        if not isinstance(m, ConceptMoELM):
+            return list(m.layers)
+        return [*m.encoder, *m.concept, *m.decoder]
+
+    def _fused_moe(self, moe, prefix: str):
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+        return FusedMoEFactory(num_experts=moe.n_experts, top_k=moe.top_k, hidden_size=moe.w_gate.shape[1],
+                               intermediate_size=moe.w_gate.shape[2], renormalize=moe.norm_topk_prob,
+                               params_dtype=torch.get_default_dtype(), prefix=prefix)
+
+    def _copy_experts(self) -> None:
+        """Our (E, D, F) gate/up and (E, F, D) down into vLLM's (E, 2F, D) w13 and (E, D, F) w2."""
+        for blk, fused in zip(self._blocks(), self.fused):
+            params = dict(fused.named_parameters())
+            w13 = next(v for k, v in params.items() if k.endswith("w13_weight"))
+            w2 = next(v for k, v in params.items() if k.endswith("w2_weight"))
+            with torch.no_grad():
+                w13.copy_(torch.cat([blk.moe.w_gate.transpose(1, 2), blk.moe.w_up.transpose(1, 2)], 1))
+                w2.copy_(blk.moe.w_down.transpose(1, 2))
 
     # -- vLLM's model interface ------------------------------------------------------------------
 
@@ -158,6 +185,7 @@ class ConceptMoEForCausalLM(nn.Module):
                          else set(state) - seen)
         if missing:
             raise ValueError(f"conceptmoe checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
+        self._copy_experts()
         return {name for name, _ in self.named_parameters()}
 
     @torch.no_grad()
@@ -196,7 +224,18 @@ class ConceptMoEForCausalLM(nn.Module):
         flat = lambda t: t[0].transpose(0, 1).reshape(n, -1)  # noqa: E731  (N, H|G * Dh)
         o = attn(flat(q), flat(k), flat(v))  # (N, H * Dh)
         x = x + blk.attn.wo(o.to(x.dtype))
-        return blk.ffn(x[None], None, self.model.dispatch)[0][0]
+        return x + self._ffn(blk, blk.moe_norm(x))
+
+    def _ffn(self, blk: Block, h: torch.Tensor) -> torch.Tensor:
+        """The block's MoE on h (N, D): our fp32 router's logits, vLLM's fused experts, our shared expert."""
+        moe = blk.moe
+        fused = self.fused[self._index[id(blk)]]
+        logits = torch.nn.functional.linear(h.float(), moe.router.weight.float())  # (N, E) fp32, as ours
+        y = fused(hidden_states=h, router_logits=logits)
+        if moe.shared is not None:
+            s = moe.shared(h)
+            y = y + (torch.sigmoid(moe.shared_gate(h)) * s if moe.shared_gate is not None else s)
+        return y
 
     def _concept_blocks(self, c: torch.Tensor, cos, sin) -> torch.Tensor:
         m = self.model
