@@ -64,31 +64,7 @@ def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400):
 def metric(url: str, name: str) -> float:
     """One unlabelled (or summed over labels) Prometheus value from vLLM's /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
-    return sum(vals)
-
-
-class PeakRunning:
-    """Polls vllm:num_requests_running while a load runs; ``peak`` is the most seen at once."""
-
-    def __init__(self, url: str, every: float = 0.05) -> None:
-        self.url, self.every, self.peak = url, every, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                self.peak = max(self.peak, int(metric(self.url, "vllm:num_requests_running")))
-            time.sleep(self.every)
-
-    def __enter__(self) -> "PeakRunning":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
 def complete(url: str, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:

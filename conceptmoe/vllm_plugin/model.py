@@ -19,7 +19,7 @@ metadata. One forward:
    the head.
 
 Per-request state (the router's last key, z, the mean-pooling sum and count, the concept count)
-lives in tensors of the model with one row per concept-group block, indexed by the request's
+lives in tensors of the model (``state.py``) with one row per concept-group block, indexed by the request's
 first concept block: the block is the request's own from its first step to its last, and a request
 starting over (new, or recomputed after preemption: its first position is 0) resets its row. It
 is a few vectors per request, next to the KV blocks each request holds.
@@ -34,8 +34,6 @@ H query heads, G key/value heads, Dh head dim.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -46,8 +44,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..model.attention import rope_tables
 from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
-from ..model.scan import ema_scan
 from .kv import ConceptAttentionSpec, FeedbackTable
+from .state import Batch, RequestStates, dechunk, gather_concepts
 
 
 def refuse_unsupported(vllm_config: VllmConfig) -> None:
@@ -77,37 +75,6 @@ class ConceptAttention(Attention):
         return ConceptAttentionSpec(block_size=full.block_size, num_kv_heads=full.num_kv_heads,
                                     head_size=full.head_size, head_size_v=full.head_size_v, dtype=full.dtype,
                                     kv_quant_mode=full.kv_quant_mode, compression=self.compression)
-
-
-@dataclass
-class RequestStates:
-    """Per-request chunk and dechunk state, one row per concept block (see the module docstring)."""
-
-    last_key: torch.Tensor  # (blocks, D) fp32: W_k ĥ of the request's last token
-    z: torch.Tensor  # (blocks, D) the dechunk EMA after the request's last concept
-    pool_sum: torch.Tensor  # (blocks, D) mean pooling: tokens since the last boundary, summed
-    pool_count: torch.Tensor  # (blocks,) long
-    concepts: torch.Tensor  # (blocks,) long: the request's concepts so far
-
-    @classmethod
-    def empty(cls, blocks: int, d: int, dtype: torch.dtype, device: torch.device) -> "RequestStates":
-        zeros = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
-        return cls(zeros(blocks, d, dt=torch.float32), zeros(blocks, d), zeros(blocks, d),
-                   zeros(blocks, dt=torch.long), zeros(blocks, dt=torch.long))
-
-    def reset(self, row: int) -> None:
-        for t in (self.last_key, self.z, self.pool_sum, self.pool_count, self.concepts):
-            t[row] = 0
-
-
-@dataclass
-class Batch:
-    """The flat batch's requests: token ranges, tokens already processed, state rows."""
-
-    starts: list[int]
-    ends: list[int]
-    done: list[int]  # tokens each request had processed before this step
-    rows: list[int]  # state row (first concept block, worker units) of each request
 
 
 class ConceptMoEForCausalLM(nn.Module):
@@ -276,7 +243,7 @@ class ConceptMoEForCausalLM(nn.Module):
         shift = {} if terms is None else {"shift": terms.shift}
         p, _ = m.chunk.step(h_in, prev, pos, **shift)  # (N,)
         b = p >= 0.5
-        c_raw, c_pos, c_p, counts, firsts = self._gather(hr, b, p, batch, states)
+        c_raw, c_pos, c_p, counts, firsts = gather_concepts(hr, b, p, batch, states, cfg.concept_pooling == "mean")
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
             c_in = c_raw if terms is None or terms.concept is None else c_raw + terms.concept[:1].to(c_raw.dtype)
@@ -286,7 +253,7 @@ class ConceptMoEForCausalLM(nn.Module):
             src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
         else:
             src = h.new_zeros(0, h.shape[1])
-        self._dechunk(z_tok, src, c_p, b, batch, counts, states)
+        dechunk(z_tok, src, c_p, b, batch, counts, states)
         if cfg.chunk_router == "cosine":
             ends = torch.tensor(batch.ends, device=h.device) - 1
             states.last_key[batch.rows] = keys[ends]
@@ -315,46 +282,6 @@ class ConceptMoEForCausalLM(nn.Module):
             blocks = self.concept_attn[0].kv_cache.shape[0]
             self._states = RequestStates.empty(blocks, h.shape[1], h.dtype, h.device)
         return self._states
-
-    def _gather(self, h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Batch, states: RequestStates):
-        """Each request's new concepts, in batch order: raw inputs (M, D), concept positions (M,),
-        their p (M,); new concepts per request and each request's concept count before the step."""
-        mean = self.cfg.concept_pooling == "mean"
-        raws, cpos, cps, counts, firsts = [], [], [], [], []
-        for s, e, row in zip(batch.starts, batch.ends, batch.rows):
-            idx = b[s:e].nonzero().flatten()  # boundaries, positions within the chunk
-            c0, k = int(states.concepts[row]), idx.numel()
-            counts.append(k)
-            firsts.append(c0)
-            if mean:
-                raw = self._mean_pool(h[s:e], idx, states, row)
-            else:
-                raw = h[s:e][idx]
-            raws.append(raw)
-            cpos.append(torch.arange(c0, c0 + k, device=h.device))
-            cps.append(p[s:e][idx])
-        cat = lambda xs, like: torch.cat(xs) if xs else like  # noqa: E731
-        return (cat(raws, h[:0]), cat(cpos, h.new_zeros(0, dtype=torch.long)), cat(cps, p[:0]), counts, firsts)
-
-    @staticmethod
-    def _mean_pool(hs: torch.Tensor, idx: torch.Tensor, states: RequestStates, row: int) -> torch.Tensor:
-        """Concept j = mean of the tokens since the previous boundary (the carried-over pool first)."""
-        n = hs.shape[0]
-        if idx.numel() == 0:
-            states.pool_sum[row] += hs.sum(0)
-            states.pool_count[row] += n
-            return hs[:0]
-        cs = hs.cumsum(0)  # (n, D)
-        upto = cs[idx]
-        before = torch.cat([torch.zeros_like(upto[:1]), upto[:-1]])
-        prev_pos = torch.cat([idx.new_tensor([-1]), idx[:-1]])
-        sums, cnt = upto - before, (idx - prev_pos).to(hs.dtype)
-        sums[0] += states.pool_sum[row]
-        cnt[0] += states.pool_count[row].to(hs.dtype)
-        last = int(idx[-1])
-        states.pool_sum[row] = hs[last + 1:].sum(0)
-        states.pool_count[row] = n - last - 1
-        return sums / cnt[:, None]
 
     def _install_concept_metadata(self, md: dict, groups, batch: Batch, counts: list[int],
                                   firsts: list[int], c_pos: torch.Tensor) -> None:
@@ -389,27 +316,6 @@ class ConceptMoEForCausalLM(nn.Module):
             device = layer.kv_cache.device
             self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
         return self._builder
-
-    def _dechunk(self, z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor,
-                 batch: Batch, counts: list[int], states: RequestStates) -> None:
-        """z_j = p_j src_j + (1 - p_j) z_{j-1} over each request's concepts, from its kept z; every
-        token gets the z of its latest concept (its request's kept z before the first)."""
-        R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
-        cs = z_tok.new_zeros(R, width, D)
-        ps = torch.zeros(R, width, device=z_tok.device)
-        rows = torch.tensor(batch.rows, device=z_tok.device)
-        cs[:, 0], ps[:, 0] = states.z[rows], 1.0
-        off = 0
-        for r, k in enumerate(counts):
-            cs[r, 1:1 + k] = src[off:off + k]
-            ps[r, 1:1 + k] = c_p[off:off + k].float()
-            off += k
-        zs = ema_scan(ps, cs)  # (R, 1 + max new concepts, D)
-        for r, (s, e) in enumerate(zip(batch.starts, batch.ends)):
-            j = b[s:e].long().cumsum(0)  # concept each token reads (0: the kept z)
-            z_tok[s:e] = zs[r, j]
-            states.z[batch.rows[r]] = zs[r, counts[r]]
-        states.concepts[rows] += torch.tensor(counts, device=rows.device)
 
     def _report(self, groups, batch: Batch, states: RequestStates) -> None:
         """(tokens, concepts) of every request, for the concept groups' managers (``kv.py``)."""
