@@ -135,22 +135,35 @@ def latency() -> str:
     return "\n".join([head, *rows])
 
 
+SERVING = (  # record, engine, note
+    ("serving/fp32-64mb.json", "built-in", ""),
+    ("serving/fp32-512mb.json", "built-in", ""),
+    ("serving/bf16-12mb.json", "built-in", ""),
+    ("serving/vllm-fp32-64mb/serve.json", "vLLM", "MoE compiled, ConceptMoE eager"),
+    ("serving/vllm-fp32-64mb-eager/serve.json", "vLLM", "both eager"),
+    ("serving/vllm-fp32-512mb/serve.json", "vLLM", "MoE compiled, ConceptMoE eager"),
+)
+
+
 def serving() -> str:
-    recs = {name: _load(f"serving/{name}.json") for name in ("fp32-64mb", "bf16-12mb", "fp32-512mb")}
-    cores = {r["machine"]["cores"] for r in recs.values()}
+    recs = [(_load(rel), rel, engine, note) for rel, engine, note in SERVING]
+    cores = {r["machine"]["cpu_count"] for r, *_ in recs}
     where = f"{cores.pop()}-core CPU" if len(cores) == 1 else "CPUs of different sizes"
-    head = (f"| KV pool (`bench serve`, {where}) | output tok/s ConceptMoE / MoE | peak sequences | "
-            "KV bytes per token | source |\n|---|---|---|---|---|")
+    head = (f"| engine, KV budget (`bench serve`, {where}) | out tok/s MoE | out tok/s ConceptMoE | "
+            "ConceptMoE / MoE | peak sequences | KV bytes per token (built-in) or capacity in tokens (vLLM) | "
+            "source |\n|---|---|---|---|---|---|---|")
     rows = []
-    for name, rec in recs.items():
+    for rec, rel, engine, note in recs:
         moe, cm = (next(r for r in rec["rows"] if r["kind"] == k) for k in ("moe", "conceptmoe"))
         s = rec["settings"]
-        binds = "binds" if cm["preempted_rows"] or moe["preempted_rows"] else "does not bind"
-        rows.append(f"| {s['kv_cache_mb']:g} MiB, {s['dtype']}, {binds} | "
+        binds = "binds" if min(moe["peak_concurrent"], cm["peak_concurrent"]) < s["requests"] else "does not bind"
+        shape = f"{s['requests']} × {s['prompt_len']} + {s['output_len']}"
+        kv = (f"{cm['kv_bytes_per_token']:.0f} vs {moe['kv_bytes_per_token']:.0f}" if engine == "built-in"
+              else f"{cm['kv_cache_tokens']} vs {moe['kv_cache_tokens']} tokens")
+        what = ", ".join(x for x in (f"{s['kv_cache_mb']:g} MiB", s["dtype"], shape, binds, note) if x)
+        rows.append(f"| {engine}, {what} | {moe['output_tokens_per_s']:.0f} | {cm['output_tokens_per_s']:.0f} | "
                     f"{cm['output_tokens_per_s'] / moe['output_tokens_per_s']:.2f}× | "
-                    f"{cm['peak_concurrent']} vs {moe['peak_concurrent']} | "
-                    f"{cm['kv_bytes_per_token']:.0f} vs {moe['kv_bytes_per_token']:.0f} | "
-                    f"[record](docs/serving/{name}.json) |")
+                    f"{cm['peak_concurrent']} vs {moe['peak_concurrent']} | {kv} | [record](docs/{rel}) |")
     return "\n".join([head, *rows])
 
 

@@ -148,7 +148,7 @@ def test_labels_come_from_the_records(monkeypatch):
         if rel == "study/round3/conversion.json":
             rec["pretrained"] = {s: "one/moe" for s in rec["pretrained"]}
         if rel.startswith("serving/fp32-512mb"):
-            rec["machine"]["cores"] = 16
+            rec["machine"]["cpu_count"] = 16
         if rel == "study/round3/d1.2M-8seeds.json":
             rec["provenance"]["3"]["cm"]["precision"] = "bf16"
         return rec

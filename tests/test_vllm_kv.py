@@ -1,4 +1,4 @@
-"""Issue 51: the concept layers' KV-cache manager in vLLM's scheduler, without a server.
+"""Issue 51, without a server: the concept layers' KV-cache manager in vLLM's scheduler; the per-request ratio.
 
 A request's concept group holds C + (T' - T) slots for T' tokens once the worker has reported
 (T tokens processed, C concepts), T' before any report; the report is keyed by the request's first
@@ -76,3 +76,36 @@ def test_the_table_is_shared_by_pid_and_zeroed_by_the_scheduler(tmp_path, monkey
     worker.write(3, 40, 17)
     assert scheduler.read(3) == (40, 17)
     assert FeedbackTable(1234, 8, fresh=True).read(3) == (0, 0)  # a new scheduler with the same pid
+
+
+def test_concept_ratio_follows_its_request_through_the_batch():
+    """The ratio processor keeps each persistent-batch row's R as vLLM adds, removes and moves rows."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from conceptmoe.vllm_plugin import ratio
+
+    proc = ratio.ConceptRatio(None, torch.device("cpu"), False)
+    sp = lambda r: SamplingParams(extra_args=None if r is None else {"concept_ratio": r})  # noqa: E731
+    proc.update_state(BatchUpdate(3, removed=[], added=[(0, sp(2.0), [1], []), (1, sp(None), [1], []),
+                                                        (2, sp(4), [1], [])], moved=[]))
+    assert ratio.row_ratios(4) == [2.0, None, 4.0, None]
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    assert ratio.row_ratios(3) == [4.0, None, 2.0]
+    # row 1 finishes; the last row moves into its place
+    proc.update_state(BatchUpdate(2, removed=[1], added=[], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert ratio.row_ratios(2) == [4.0, 2.0]
+    proc.update_state(None)  # no change this step
+    assert ratio.row_ratios(2) == [4.0, 2.0]
+    proc.update_state(BatchUpdate(2, removed=[0], added=[(0, sp(3.0), [1], [])], moved=[]))
+    assert ratio.row_ratios(2) == [3.0, 2.0]
+
+
+def test_concept_ratio_checks(tmp_path):
+    from conceptmoe.vllm_plugin.ratio import check_request_ratio
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_moe"}')
+    assert "must be a number" in check_request_ratio("3", str(tmp_path))
+    assert "must be finite" in check_request_ratio(float("nan"), str(tmp_path))
+    assert "does not name the served export" in check_request_ratio(3.0, None)
+    assert "ConceptMoE runs only" in check_request_ratio(3.0, str(tmp_path))

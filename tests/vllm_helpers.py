@@ -67,11 +67,13 @@ def metric(url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
-def complete(url: str, prompts: list[list[int]], max_tokens: int, **extra) -> list[list[int]]:
-    """Completions of every prompt, sent concurrently; the generated token ids of each."""
-    def one(p):
-        body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True, **extra}
+def complete(url: str, prompts: list[list[int]], max_tokens: int, per_prompt: list[dict] | None = None,
+             **extra) -> list[list[int]]:
+    """Completions of every prompt, sent concurrently; the generated token ids of each.
+    ``per_prompt``: more fields for each prompt's request."""
+    def one(i):
+        body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **extra, **(per_prompt[i] if per_prompt else {})}
         r = httpx.post(url + "/v1/completions", json=body, timeout=300)
         r.raise_for_status()
         return r.json()["choices"][0]["token_ids"]
@@ -79,7 +81,7 @@ def complete(url: str, prompts: list[list[int]], max_tokens: int, **extra) -> li
     out: list = [None] * len(prompts)
 
     def run(i):
-        out[i] = one(prompts[i])
+        out[i] = one(i)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:

@@ -55,8 +55,10 @@ def start(run: str, s: ServeBenchSettings, max_len: int, vllm_args: str, log: Pa
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     while not READY.search(log.read_text()):
         if proc.poll() is not None:
-            tail = log.read_text().strip().splitlines()
-            raise UserError(f"vLLM for {run} did not start: {tail[-1] if tail else proc.returncode}")
+            lines = log.read_text().strip().splitlines()
+            why = [ln for ln in lines if re.search(r"Error|error:", ln) and "its log is above" not in ln]
+            print("\n".join(lines[-15:]), file=sys.stderr)
+            raise UserError(f"vLLM for {run} did not start: {(why or lines or [proc.returncode])[-1]}")
         time.sleep(0.5)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -81,13 +83,14 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict:
     return {"ttft": (first or t0) - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
 
 
-async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings) -> tuple[list[dict], float]:
+async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict) -> tuple[list[dict], float]:
     import random
 
     rng = random.Random(s.seed + 1)
     sem = asyncio.Semaphore(s.concurrency or len(reqs))
     limits = httpx.Limits(max_connections=len(reqs) + 1, max_keepalive_connections=len(reqs) + 1)
-    body = {"stream": True, "ignore_eos": True, "temperature": s.temperature, "seed": s.seed, "return_token_ids": True}
+    body = {"stream": True, "ignore_eos": True, "temperature": s.temperature, "seed": s.seed, "return_token_ids": True,
+            **extra}
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         await _one(http, {**reqs[0], **body, "max_tokens": 2})  # warm-up
 
@@ -105,7 +108,7 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings) -> tuple[lis
         return results, time.perf_counter() - t0
 
 
-def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings) -> dict:
+def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra: dict | None = None) -> dict:
     peak, stop = [0], threading.Event()
 
     def poll():
@@ -119,7 +122,7 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings) -> di
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        results, wall = asyncio.run(_drive(url, reqs, s))
+        results, wall = asyncio.run(_drive(url, reqs, s, extra or {}))
     finally:
         stop.set()
         poller.join(5)
@@ -135,26 +138,26 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
     from ..training.checkpoint import load_run_meta
 
     s.check()
-    if s.concept_ratios:
-        raise UserError("--concept-ratios: per-request R is not served by vLLM yet; export the run at one R")
     reqs = make_requests(held_out, s)
-    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs) + 2
+    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)  # vLLM refuses more than the model's positions
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in s.runs:
-            label = run_label(run)
-            print(f"bench serve (vLLM): {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
-            log = Path(tmp) / "server.log"
-            proc, url = start(run, s, max_len, vllm_args, log)
-            try:
-                row = measure(url, label, reqs, s)
-            finally:
-                proc.terminate()
-                proc.wait(120)
-            m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
-            row.update(run=run, kind=load_run_meta(run)[0].kind,
-                       kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
-            rows.append(row)
+            cfg = load_run_meta(run)[0]
+            ratios = s.concept_ratios if (cfg.is_concept and cfg.elastic_ratios and s.concept_ratios) else [None]
+            for R in ratios:  # a fresh server each, as bench/serve.py: the peak is this measurement's
+                label = run_label(run) + (f" R={R:g}" if R else "")
+                print(f"bench serve (vLLM): {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
+                log = Path(tmp) / "server.log"
+                proc, url = start(run, s, max_len, vllm_args, log)
+                try:
+                    row = measure(url, label, reqs, s, {"vllm_xargs": {"concept_ratio": R}} if R else {})
+                finally:
+                    proc.terminate()
+                    proc.wait(120)
+                m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
+                row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
+                rows.append(row)
     return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args}, "machine": machine(), "rows": rows}
 
 

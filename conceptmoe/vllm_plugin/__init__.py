@@ -15,6 +15,8 @@ from __future__ import annotations
 
 TESTED_VLLM = ("0.32.0",)
 MODEL_CLASS = "ConceptMoEForCausalLM"
+RATIO_PROCESSOR = "conceptmoe.vllm_plugin.ratio:ConceptRatio"  # per-request concept_ratio (ratio.py)
+MODEL_ENV = "CONCEPTMOE_VLLM_MODEL"  # the served export folder, where ratio.py reads its config
 
 _done = False
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from . import MODEL_ENV, RATIO_PROCESSOR
 
 EXPORT_DIR = "vllm-export"
 STARTUP_TIMEOUT = 600.0
@@ -81,7 +82,7 @@ def server_command(cfg: VllmServeConfig, folder: Path, concept: bool) -> tuple[l
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", name,
             "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], "--max-num-seqs", str(cfg.max_batch),
-            "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+            "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--logits-processors", RATIO_PROCESSOR]
     if concept:
         argv.append("--enforce-eager")  # the concept step has data-dependent shapes
     if cfg.max_model_len:
@@ -90,7 +91,7 @@ def server_command(cfg: VllmServeConfig, folder: Path, concept: bool) -> tuple[l
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     if cfg.long_prefill_token_threshold:
         argv += ["--long-prefill-token-threshold", str(cfg.long_prefill_token_threshold)]
-    env = dict(os.environ)
+    env = dict(os.environ, **{MODEL_ENV: str(folder)})  # where ratio.py reads the config to check concept_ratio
     if cfg.kv_cache_mb is not None:
         argv += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_mb * 2 ** 20))]
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)

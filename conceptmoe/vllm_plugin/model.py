@@ -45,6 +45,7 @@ from ..model.attention import rope_tables
 from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
 from .kv import ConceptAttentionSpec, FeedbackTable
+from .ratio import row_ratios
 from .state import Batch, RequestStates, dechunk, gather_concepts
 
 
@@ -87,6 +88,7 @@ class ConceptMoEForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         cfg = ModelConfig.from_dict(hf.conceptmoe)
         self.cfg, self.ratio = cfg, getattr(hf, "concept_ratio", None)
+        self.extrapolate = bool(getattr(hf, "extrapolate", False))
         self.model = build_model(cfg)
         cache = vllm_config.cache_config
         attn = lambda cls, name, **kw: cls(cfg.n_heads, cfg.head_dim, cfg.head_dim ** -0.5,  # noqa: E731
@@ -215,9 +217,17 @@ class ConceptMoEForCausalLM(nn.Module):
         """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
         return self._concept_blocks(h, cos, sin) - h
 
-    def _terms(self, n: int, device: torch.device):
-        """An elastic model's ratio terms at the export's R (or its design R) for n positions."""
-        return self.model.ratio_terms(self.ratio, n, device)
+    def _row_ratios(self, batch: Batch) -> list[float]:
+        """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""
+        default = float(self.ratio or self.cfg.compression_ratio)
+        return [default if r is None else r for r in row_ratios(len(batch.starts))]
+
+    def _terms(self, ratios: list[float], sizes: list[int], device: torch.device):
+        """An elastic model's ratio terms, ``sizes[i]`` positions at ``ratios[i]``; None for a fixed-R model."""
+        if self.model.ratio_embed is None:
+            return None
+        per = torch.repeat_interleave(torch.tensor(ratios), torch.tensor(sizes, dtype=torch.long))
+        return self.model.ratio_terms(per.to(device), per.numel(), device, self.extrapolate)
 
     def _concepts(self, h: torch.Tensor, positions: torch.Tensor, md: dict) -> torch.Tensor:
         """Route, run the new concepts, dechunk: the z (N, D) every token of the batch reads."""
@@ -231,7 +241,8 @@ class ConceptMoEForCausalLM(nn.Module):
         for row, done in zip(batch.rows, batch.done):
             if done == 0:
                 states.reset(row)
-        terms = self._terms(n_real, h.device)
+        ratios = self._row_ratios(batch)
+        terms = self._terms(ratios, [e - s for s, e in zip(batch.starts, batch.ends)], h.device)
         h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
         prev = None
         if cfg.chunk_router == "cosine":
@@ -246,7 +257,8 @@ class ConceptMoEForCausalLM(nn.Module):
         c_raw, c_pos, c_p, counts, firsts = gather_concepts(hr, b, p, batch, states, cfg.concept_pooling == "mean")
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
-            c_in = c_raw if terms is None or terms.concept is None else c_raw + terms.concept[:1].to(c_raw.dtype)
+            c_terms = None if terms is None else self._terms(ratios, counts, h.device).concept
+            c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
             ccos, csin = self._rope(c_pos, h.dtype)
             c = self._concept_blocks(c_in, ccos, csin)
