@@ -203,9 +203,7 @@ def run_serve_bench(s: ServeBenchSettings, held_out: list[int]) -> dict:
     rows = []
     for run in s.runs:
         cfg = load_run_meta(run)[0]
-        ratios = s.concept_ratios if (cfg.is_concept and cfg.elastic_ratios and s.concept_ratios) else [None]
-        for R in ratios:  # a fresh server each: its peak of concurrent rows is this measurement's
-            label = run_label(run) + (f" R={R:g}" if R else "")
+        for label, R in points(run, cfg, s):  # a fresh server each: its peak of concurrent rows is this measurement's
             print(f"bench serve: {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
             proc, url = start_server(run, s, max_len)
             try:
@@ -217,6 +215,13 @@ def run_serve_bench(s: ServeBenchSettings, held_out: list[int]) -> dict:
             row.update(run=run, kind=cfg.kind)
             rows.append(row)
     return {"settings": asdict(s), "machine": machine(), "rows": rows}
+
+
+def points(run: str, cfg, s: ServeBenchSettings) -> list[tuple[str, float | None]]:
+    """(label, R) of each measurement of ``run``: one per --concept-ratios for an elastic run, else
+    one at its own R (None)."""
+    ratios = s.concept_ratios if (cfg.is_concept and cfg.elastic_ratios and s.concept_ratios) else [None]
+    return [(run_label(run) + (f" R={R:g}" if R else ""), R) for R in ratios]
 
 
 def format_table(report: dict) -> str:

@@ -27,7 +27,7 @@ import httpx
 
 from ..device import machine
 from ..errors import UserError
-from .serve import ServeBenchSettings, _stats, make_requests, run_label
+from .serve import ServeBenchSettings, _stats, make_requests, points
 
 READY = re.compile(r"^serving .* with vLLM at ", re.M)
 
@@ -144,9 +144,7 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
     with tempfile.TemporaryDirectory() as tmp:
         for run in s.runs:
             cfg = load_run_meta(run)[0]
-            ratios = s.concept_ratios if (cfg.is_concept and cfg.elastic_ratios and s.concept_ratios) else [None]
-            for R in ratios:  # a fresh server each, as bench/serve.py: the peak is this measurement's
-                label = run_label(run) + (f" R={R:g}" if R else "")
+            for label, R in points(run, cfg, s):  # a fresh server each, as bench/serve.py
                 print(f"bench serve (vLLM): {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
                 log = Path(tmp) / "server.log"
                 proc, url = start(run, s, max_len, vllm_args, log)

@@ -34,6 +34,8 @@ H query heads, G key/value heads, Dh head dim.
 from __future__ import annotations
 
 import os
+from dataclasses import fields, replace
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -62,6 +64,15 @@ def refuse_unsupported(vllm_config: VllmConfig) -> None:
         raise ValueError("ConceptMoE in vLLM: tensor and pipeline parallelism are not supported yet")
     if not c.model_config.enforce_eager and c.device_config.device_type == "cuda":
         raise ValueError("ConceptMoE in vLLM: the concept step has data-dependent shapes; pass --enforce-eager")
+
+
+def _repeat(terms, sizes: list[int]):
+    """Per-request ratio terms repeated ``sizes[i]`` times for request i (its tokens, or its new concepts)."""
+    if terms is None:
+        return None
+    n = torch.tensor(sizes, dtype=torch.long, device=terms.ratio.device)
+    return replace(terms, **{f.name: None if getattr(terms, f.name) is None
+                             else getattr(terms, f.name).repeat_interleave(n, 0) for f in fields(terms)})
 
 
 class ConceptAttention(Attention):
@@ -222,12 +233,12 @@ class ConceptMoEForCausalLM(nn.Module):
         default = float(self.ratio or self.cfg.compression_ratio)
         return [default if r is None else r for r in row_ratios(len(batch.starts))]
 
-    def _terms(self, ratios: list[float], sizes: list[int], device: torch.device):
-        """An elastic model's ratio terms, ``sizes[i]`` positions at ``ratios[i]``; None for a fixed-R model."""
+    def _terms(self, batch: Batch, device: torch.device):
+        """An elastic model's ratio terms, one row per request (None for a fixed-R model)."""
         if self.model.ratio_embed is None:
             return None
-        per = torch.repeat_interleave(torch.tensor(ratios), torch.tensor(sizes, dtype=torch.long))
-        return self.model.ratio_terms(per.to(device), per.numel(), device, self.extrapolate)
+        return self.model.ratio_terms(self._row_ratios(batch), len(batch.starts), device, self.extrapolate)
+
 
     def _concepts(self, h: torch.Tensor, positions: torch.Tensor, md: dict) -> torch.Tensor:
         """Route, run the new concepts, dechunk: the z (N, D) every token of the batch reads."""
@@ -241,8 +252,8 @@ class ConceptMoEForCausalLM(nn.Module):
         for row, done in zip(batch.rows, batch.done):
             if done == 0:
                 states.reset(row)
-        ratios = self._row_ratios(batch)
-        terms = self._terms(ratios, [e - s for s, e in zip(batch.starts, batch.ends)], h.device)
+        per_request = self._terms(batch, h.device)
+        terms = _repeat(per_request, [e - s for s, e in zip(batch.starts, batch.ends)])
         h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
         prev = None
         if cfg.chunk_router == "cosine":
@@ -257,7 +268,7 @@ class ConceptMoEForCausalLM(nn.Module):
         c_raw, c_pos, c_p, counts, firsts = gather_concepts(hr, b, p, batch, states, cfg.concept_pooling == "mean")
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
-            c_terms = None if terms is None else self._terms(ratios, counts, h.device).concept
+            c_terms = None if per_request is None else _repeat(per_request, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
             ccos, csin = self._rope(c_pos, h.dtype)
