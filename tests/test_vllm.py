@@ -105,8 +105,8 @@ def test_moe_export_in_vllm_is_exact(moe, runs):
     assert (runs / "moe" / "vllm-export" / "config.json").is_file()  # exported on the way
     assert moe["got"] == moe["want"]
     assert moe["again"] == moe["want"][:3]
-    assert moe["grown"] == moe["want_grow"]
-    assert moe["preemptions"] > 0
+    assert moe["grown"] == moe["want_grow"]  # under the binding budget (the MoE is not always preempted
+    # here: two runs of this module saw 1 and 0 preemptions; the ConceptMoE's are asserted below)
 
 
 def test_conceptmoe_in_vllm_is_exact_with_chunked_prefill_and_preemption(cm):
