@@ -4,7 +4,8 @@
 - A ConceptMoE and an elastic ConceptMoE (exported at R = 3; R = 2 and 4 per request) give, for 10 concurrent prompts of
   different lengths, token for token what ``model.generate`` gives each alone, with chunked
   prefill forced small (prompts split across steps, across boundary decisions) and with a KV budget
-  that binds (requests wait, and are preempted).
+  that binds (requests wait, and are preempted); the ConceptMoE compiled (its token-rate and
+  concept stacks through inductor), the elastic run eager.
 - vLLM's accounting reflects the concept cache: at the same KV bytes its "KV cache size" is
   1/(KV ratio) times the MoE's.
 
@@ -66,6 +67,18 @@ def runs(tmp_path_factory):
     return root
 
 
+def grow_until_preempted(url: str, rounds: int = 5) -> list[list[list[int]]]:
+    """The grow load, again until vLLM has preempted (at most ``rounds`` times): whether it
+    preempts depends on how the requests' arrivals meet its steps (0 to 6 preemptions per round
+    seen for one server). Every round's outputs, to be checked."""
+    out = []
+    for _ in range(rounds):
+        out.append(complete(url, grow_prompts(), GROW))
+        if metric(url, "vllm:num_preemptions_total") > 0:
+            break
+    return out
+
+
 def serve_and_check(runs, name: str, *cli: str) -> dict:
     """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures."""
     run = runs / name
@@ -74,7 +87,7 @@ def serve_and_check(runs, name: str, *cli: str) -> dict:
     with vllm_server(run, runs / f"{name}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
                      "--vllm-args", VLLM_ARGS, *cli) as url:
         got = complete(url, prompts(), NEW)
-        grown = complete(url, grow_prompts(), GROW)
+        grown = grow_until_preempted(url)
         again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
         # Seeded: short prompts, so no seeded prompt is split across steps (vLLM 0.32's CPU engine
         # fails a step that splits one: it rewinds the request's generator with set_offset, which
@@ -105,14 +118,14 @@ def test_moe_export_in_vllm_is_exact(moe, runs):
     assert (runs / "moe" / "vllm-export" / "config.json").is_file()  # exported on the way
     assert moe["got"] == moe["want"]
     assert moe["again"] == moe["want"][:3]
-    assert moe["grown"] == moe["want_grow"]  # under the binding budget (the MoE is not always preempted
-    # here: two runs of this module saw 1 and 0 preemptions; the ConceptMoE's are asserted below)
+    assert all(g == moe["want_grow"] for g in moe["grown"])  # under the binding budget
+    assert moe["preemptions"] > 0
 
 
 def test_conceptmoe_in_vllm_is_exact_with_chunked_prefill_and_preemption(cm):
     assert cm["got"] == cm["want"]
     assert cm["again"] == cm["want"][:3]
-    assert cm["grown"] == cm["want_grow"]
+    assert all(g == cm["want_grow"] for g in cm["grown"])
     assert cm["preemptions"] > 0  # the budget binds: requests were preempted and recomputed
 
 
@@ -147,8 +160,9 @@ def test_elastic_run_in_vllm_is_exact(runs):
     want_mixed = [model.generate(torch.tensor([p]), NEW, temperature=0, ratio=r or 3.0)[0, len(p):].tolist()
                   for p, r in zip(prompts(), mixed)]
     assert want_mixed != want  # the ratio changes the output: the test can tell them apart
+    # Eager (--enforce-eager): the MoE and ConceptMoE servers above run compiled, so both paths are checked.
     with vllm_server(folder, runs / "elastic.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
-                     "--vllm-args", VLLM_ARGS) as url:
+                     "--vllm-args", VLLM_ARGS + " --enforce-eager") as url:
         assert complete(url, prompts(), NEW) == want
         xargs = [{"vllm_xargs": {"concept_ratio": r}} if r else {} for r in mixed]
         assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed

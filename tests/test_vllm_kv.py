@@ -109,3 +109,21 @@ def test_concept_ratio_checks(tmp_path):
     assert "must be finite" in check_request_ratio(float("nan"), str(tmp_path))
     assert "does not name the served export" in check_request_ratio(3.0, None)
     assert "ConceptMoE runs only" in check_request_ratio(3.0, str(tmp_path))
+
+
+def test_launcher_bounds_a_conceptmoe_prefill_chunk_and_compiles(tmp_path):
+    """A ConceptMoE gets CONCEPT_PREFILL_CHUNK unless --vllm-args sets a threshold; a MoE gets none;
+    neither is forced eager any more (--enforce-eager only when asked)."""
+    from conceptmoe.vllm_plugin.launch import CONCEPT_PREFILL_CHUNK, VllmServeConfig, server_command
+
+    def argv(concept: bool, *extra: str) -> list[str]:
+        return server_command(VllmServeConfig("r", extra=list(extra)), tmp_path, concept)[0]
+
+    def threshold(a: list[str]) -> list[str]:
+        return [a[i + 1] for i, x in enumerate(a) if x == "--long-prefill-token-threshold"]
+
+    assert threshold(argv(True)) == [str(CONCEPT_PREFILL_CHUNK)]
+    assert threshold(argv(True, "--long-prefill-token-threshold", "256")) == ["256"]
+    assert threshold(argv(False)) == []
+    assert "--enforce-eager" not in argv(True) + argv(False)
+    assert "--enforce-eager" in argv(True, "--enforce-eager")

@@ -5,8 +5,8 @@ ignored, all at once or at a Poisson rate). Each run is served by ``conceptmoe s
 vllm`` with the same ``--kv-cache-mb`` (vLLM's ``--kv-cache-memory-bytes``): a MoE run as its
 transformers family, a ConceptMoE through the plugin with its concept KV cache at concept rate.
 Per run: request throughput, output tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed
-chunks, the peak number of requests vLLM ran at once (``vllm:num_requests_running``, polled every
-50 ms), its preemptions, and its KV-cache capacity in tokens as its own start-up line states it.
+chunks, the peak and mean number of requests vLLM ran at once (``vllm:num_requests_running``, polled
+every 50 ms; the mean over the samples with any running), its preemptions, and its KV-cache capacity in tokens as its own start-up line states it.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict)
 
 
 def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra: dict | None = None) -> dict:
-    peak, stop = [0], threading.Event()
+    samples, stop = [], threading.Event()
 
     def poll():
         while not stop.is_set():
             try:
-                peak[0] = max(peak[0], int(_metric(url, "vllm:num_requests_running")))
+                samples.append(int(_metric(url, "vllm:num_requests_running")))
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
@@ -131,7 +131,15 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
             "request_throughput": len(results) / wall, "output_tokens": out, "output_tokens_per_s": out / wall,
             "ttft_s": _stats([r["ttft"] for r in results]),
             "tpot_s": _stats([r["tpot"] for r in results if r["tpot"] is not None]),
-            "peak_concurrent": peak[0], "preemptions": _metric(url, "vllm:num_preemptions_total") - before}
+            "peak_concurrent": max(samples, default=0), "mean_concurrent": _mean_running(samples),
+            "preemptions": _metric(url, "vllm:num_preemptions_total") - before}
+
+
+def _mean_running(samples: list[int]) -> float:
+    """Requests running, averaged over the samples taken while any ran (the warm-up's and the
+    tail's empty samples left out): how many sequences the engine held at once, on average."""
+    live = [n for n in samples if n > 0]
+    return sum(live) / len(live) if live else 0.0
 
 
 def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: str = "") -> dict:
@@ -162,13 +170,13 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
 def format_table(report: dict) -> str:
     rows, base = report["rows"], report["rows"][0]
     lines = ["| run (vLLM) | req/s | out tok/s | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
-             "| peak running | preemptions | KV cache (tokens) |", "|" + "---|" * 9]
+             "| running peak / mean | preemptions | KV cache (tokens) |", "|" + "---|" * 9]
     for r in rows:
         t, p = r["ttft_s"], r["tpot_s"]
         tp = " / ".join("-" if v is None else f"{1000 * v:.1f}" for v in (p["mean"], p["p50"], p["p99"]))
         lines.append(f"| {r['label']} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f} "
                      f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x "
-                     f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} "
+                     f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} / {r.get('mean_concurrent', 0):.1f} "
                      f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} |")
     m = report["machine"]
     lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); "

@@ -2,7 +2,8 @@
 
 A MoE run exports as its transformers family (Qwen2-MoE, OLMoE, Qwen3-MoE), which vLLM serves
 natively; a ConceptMoE run exports as ``model_type`` ``conceptmoe``, which the plugin serves
-(``model.py``), always eager. The export goes to ``RUN/vllm-export/`` and is rebuilt when the
+(``model.py``): compiled like vLLM's own models unless ``--enforce-eager``, with prefill chunks of
+``CONCEPT_PREFILL_CHUNK`` tokens per request and step unless ``--vllm-args`` sets one. The export goes to ``RUN/vllm-export/`` and is rebuilt when the
 run's weights are newer; a folder that already is a transformers model is served as it is.
 
 The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command
@@ -28,6 +29,11 @@ from ..errors import UserError
 from . import MODEL_ENV, RATIO_PROCESSOR
 
 EXPORT_DIR = "vllm-export"
+# A ConceptMoE's prefill chunk per request and step, unless --vllm-args sets one: a request's
+# concept group holds up to one chunk's surplus slots (kv.py), so the chunk bounds that slack.
+# Measured on the 1.2M pair at a binding 64 MiB, both eager: 32 against 128 gave the ConceptMoE
+# 860 vs 438 output tok/s (the MoE 559 vs 408; docs/serving.md).
+CONCEPT_PREFILL_CHUNK = 32
 STARTUP_TIMEOUT = 600.0
 
 
@@ -83,14 +89,15 @@ def server_command(cfg: VllmServeConfig, folder: Path, concept: bool) -> tuple[l
             "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", name,
             "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], "--max-num-seqs", str(cfg.max_batch),
             "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--logits-processors", RATIO_PROCESSOR]
-    if concept:
-        argv.append("--enforce-eager")  # the concept step has data-dependent shapes
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-    if cfg.long_prefill_token_threshold:
-        argv += ["--long-prefill-token-threshold", str(cfg.long_prefill_token_threshold)]
+    chunk = cfg.long_prefill_token_threshold
+    if chunk is None and concept and not any(a.startswith("--long-prefill-token-threshold") for a in cfg.extra):
+        chunk = CONCEPT_PREFILL_CHUNK
+    if chunk:
+        argv += ["--long-prefill-token-threshold", str(chunk)]
     env = dict(os.environ, **{MODEL_ENV: str(folder)})  # where ratio.py reads the config to check concept_ratio
     if cfg.kv_cache_mb is not None:
         argv += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_mb * 2 ** 20))]

@@ -62,8 +62,16 @@ def refuse_unsupported(vllm_config: VllmConfig) -> None:
                          "may already have made a concept)")
     if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
         raise ValueError("ConceptMoE in vLLM: tensor and pipeline parallelism are not supported yet")
-    if not c.model_config.enforce_eager and c.device_config.device_type == "cuda":
-        raise ValueError("ConceptMoE in vLLM: the concept step has data-dependent shapes; pass --enforce-eager")
+    if compiles(c) and c.device_config.device_type == "cuda":
+        raise ValueError("ConceptMoE in vLLM: compiled stages are tested on CPU only; on CUDA pass --enforce-eager")
+
+
+def compiles(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM compiles models here (not ``--enforce-eager``, a compilation mode on)."""
+    from vllm.config import CompilationMode
+
+    return (not vllm_config.model_config.enforce_eager
+            and vllm_config.compilation_config.mode != CompilationMode.NONE)
 
 
 def _repeat(terms, sizes: list[int]):
@@ -114,7 +122,9 @@ class ConceptMoEForCausalLM(nn.Module):
         # Each block's routed experts on vLLM's fused MoE kernels (our router and shared expert
         # stay ours): the weights are copied in at load_weights.
         self.fused = nn.ModuleList(self._fused_moe(blk.moe, f"{prefix}.fused.{i}") for i, blk in enumerate(self._blocks()))
-        self._index = {id(blk): i for i, blk in enumerate(self._blocks())}
+        self._compile = compiles(vllm_config)
+        self._compiled: dict[str, object] = {}
+        self._inductor = dict(vllm_config.compilation_config.inductor_compile_config)
         self._states: RequestStates | None = None
         self._builder = None
         self._feedback: FeedbackTable | None = None
@@ -173,30 +183,67 @@ class ConceptMoEForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         m = self.model
         x = m.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (N, D)
-        cos, sin = self._rope(positions, x.dtype)
         if not isinstance(m, ConceptMoELM):
-            for blk, attn in zip(m.layers, self.token_attn):
-                x = self._block(blk, attn, x, cos, sin)
-            return m.norm(x)
-        n_enc = len(m.encoder)
-        for blk, attn in zip(m.encoder, self.token_attn[:n_enc]):
-            x = self._block(blk, attn, x, cos, sin)
+            return self._stage("plain")(x, positions)
+        x = self._stage("encoder")(x, positions)
         md = get_forward_context().attn_metadata
         if md is None or not isinstance(md, dict):  # profile and warm-up runs: shapes only
-            z = self._concepts_dummy(x, cos, sin)
+            z = self._concepts_dummy(x, positions)
         else:
             z = self._concepts(x, positions, md)
+        return self._stage("decoder")(x, z, positions)
+
+    # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
+
+    def _stage(self, name: str):
+        """A stage as a function: compiled with inductor (dynamic in its row count) when vLLM
+        compiles, else the method itself. Only the concept step between the stages (routing,
+        gathering, dechunking: data-dependent shapes) stays eager."""
+        fn = getattr(self, f"_{name}")
+        if not self._compile:
+            return fn
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(fn, dynamic=True, backend="inductor", options=self._inductor)
+        return self._compiled[name]
+
+    def _plain(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope(positions, x.dtype)
+        for blk, attn, fused in zip(self.model.layers, self.token_attn, self.fused):
+            x = self._block(blk, attn, fused, x, cos, sin)
+        return self.model.norm(x)
+
+    def _encoder(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope(positions, x.dtype)
+        n = len(self.model.encoder)
+        for blk, attn, fused in zip(self.model.encoder, self.token_attn[:n], self.fused[:n]):
+            x = self._block(blk, attn, fused, x, cos, sin)
+        return x
+
+    def _decoder(self, x: torch.Tensor, z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        cos, sin = self._rope(positions, x.dtype)
+        n_enc, n_dec = len(m.encoder), len(m.decoder)
         h = x + z
-        for blk, attn in zip(m.decoder, self.token_attn[n_enc:]):
-            h = self._block(blk, attn, h, cos, sin, z)
+        for blk, attn, fused in zip(m.decoder, self.token_attn[n_enc:], self.fused[len(self.fused) - n_dec:]):
+            h = self._block(blk, attn, fused, h, cos, sin, z)
         return m.norm(h)
+
+    def _concept(self, c: torch.Tensor, c_pos: torch.Tensor) -> torch.Tensor:
+        """The concept blocks (times their loops) on the flat batch of new concepts c (M, D)."""
+        m = self.model
+        cos, sin = self._rope(c_pos, c.dtype)
+        n_enc, k = len(m.encoder), len(m.concept)
+        for loop in range(self.cfg.concept_loops):
+            for i, blk in enumerate(m.concept):
+                c = self._block(blk, self.concept_attn[loop * k + i], self.fused[n_enc + i], c, cos, sin)
+        return c
 
     # -- the pieces ------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_tables(positions.long(), self.cfg.head_dim, self.cfg.rope_theta, dtype)  # (N, Dh) each
 
-    def _block(self, blk: Block, attn: Attention, x: torch.Tensor, cos, sin, z=None) -> torch.Tensor:
+    def _block(self, blk: Block, attn: Attention, fused, x: torch.Tensor, cos, sin, z=None) -> torch.Tensor:
         """Our block on a flat batch x (N, D), its attention through vLLM's paged cache."""
         n = x.shape[0]
         q, k, v = blk.attn.project(blk.attn_norm(x)[None], cos[None], sin[None],
@@ -204,12 +251,11 @@ class ConceptMoEForCausalLM(nn.Module):
         flat = lambda t: t[0].transpose(0, 1).reshape(n, -1)  # noqa: E731  (N, H|G * Dh)
         o = attn(flat(q), flat(k), flat(v))  # (N, H * Dh)
         x = x + blk.attn.wo(o.to(x.dtype))
-        return x + self._ffn(blk, blk.moe_norm(x))
+        return x + self._ffn(blk, fused, blk.moe_norm(x))
 
-    def _ffn(self, blk: Block, h: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, blk: Block, fused, h: torch.Tensor) -> torch.Tensor:
         """The block's MoE on h (N, D): our fp32 router's logits, vLLM's fused experts, our shared expert."""
         moe = blk.moe
-        fused = self.fused[self._index[id(blk)]]
         logits = torch.nn.functional.linear(h.float(), moe.router.weight.float())  # (N, E) fp32, as ours
         y = fused(hidden_states=h, router_logits=logits)
         if moe.shared is not None:
@@ -217,16 +263,9 @@ class ConceptMoEForCausalLM(nn.Module):
             y = y + (torch.sigmoid(moe.shared_gate(h)) * s if moe.shared_gate is not None else s)
         return y
 
-    def _concept_blocks(self, c: torch.Tensor, cos, sin) -> torch.Tensor:
-        m = self.model
-        for loop in range(self.cfg.concept_loops):
-            for i, blk in enumerate(m.concept):
-                c = self._block(blk, self.concept_attn[loop * len(m.concept) + i], c, cos, sin)
-        return c
-
-    def _concepts_dummy(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
+    def _concepts_dummy(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
-        return self._concept_blocks(h, cos, sin) - h
+        return self._stage("concept")(h, positions) - h
 
     def _row_ratios(self, batch: Batch) -> list[float]:
         """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""
@@ -271,8 +310,7 @@ class ConceptMoEForCausalLM(nn.Module):
             c_terms = None if per_request is None else _repeat(per_request, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
-            ccos, csin = self._rope(c_pos, h.dtype)
-            c = self._concept_blocks(c_in, ccos, csin)
+            c = self._stage("concept")(c_in, c_pos)
             src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
         else:
             src = h.new_zeros(0, h.shape[1])
