@@ -14,8 +14,9 @@ step that feeds ``num_tokens - T`` new tokens the manager makes room for
 ``C + (num_tokens - T)`` concepts (every new token might start one), never more than
 ``num_tokens``. Without a report (a new request, or a table that cannot be opened) it allocates at
 token rate: always room enough, never wrong, only larger. Rows never shrink (the worker appends
-block ids), so a request holds at most one prefill chunk of slack; ``long_prefill_token_threshold``
-bounds that chunk.
+block ids), so a request holds at most one prefill chunk of slack (its surplus over the concepts
+the chunk made); ``long_prefill_token_threshold`` bounds that chunk (``conceptmoe serve --engine
+vllm`` sets ``launch.CONCEPT_PREFILL_CHUNK`` for a ConceptMoE unless told otherwise).
 
 The table is keyed by the request's first concept block (unique while the request holds it); the
 manager clears a request's entry when its blocks are freed (finish, abort, preemption), so a
@@ -82,6 +83,9 @@ class FeedbackTable:
 
     def write(self, key: int, tokens: int, concepts: int) -> None:
         self.table[key] = (tokens, concepts)
+
+    def write_many(self, keys: np.ndarray, tokens: np.ndarray, concepts: np.ndarray) -> None:
+        self.table[keys, 0], self.table[keys, 1] = tokens, concepts
 
     def read(self, key: int) -> tuple[int, int]:
         t, c = self.table[key]

@@ -25,7 +25,10 @@ starting over (new, or recomputed after preemption: its first position is 0) res
 is a few vectors per request, next to the KV blocks each request holds.
 
 The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
-``model.generate`` token for token. Eager only (data-dependent shapes; ``enforce_eager``).
+``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1, 3's
+concept blocks and 5 are three functions compiled with inductor, dynamic in their row count (vLLM
+on CPU traces its own models once the same way); the concept step between them (routing,
+gathering, dechunking: data-dependent shapes) stays eager. On CUDA only eager is allowed (untested).
 
 Shape legend: N tokens in the flat batch, M new concepts in it, R requests, D d_model,
 H query heads, G key/value heads, Dh head dim.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields, replace
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -183,14 +187,17 @@ class ConceptMoEForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         m = self.model
         x = m.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (N, D)
+        # A copy made here: vLLM's positions are a view of a buffer made outside inference mode,
+        # which compiled stages would guard on (its base's size, its dispatch keys).
+        positions = positions.clone()
+        md = get_forward_context().attn_metadata
+        dummy = md is None or not isinstance(md, dict)  # profile and warm-up runs: shapes only
+        if dummy and self._compile and x.shape[0] > 1:
+            self.forward(input_ids[:1], positions[:1], inputs_embeds=None if inputs_embeds is None else x[:1])
         if not isinstance(m, ConceptMoELM):
             return self._stage("plain")(x, positions)
         x = self._stage("encoder")(x, positions)
-        md = get_forward_context().attn_metadata
-        if md is None or not isinstance(md, dict):  # profile and warm-up runs: shapes only
-            z = self._concepts_dummy(x, positions)
-        else:
-            z = self._concepts(x, positions, md)
+        z = self._concepts_dummy(x, positions) if dummy else self._concepts(x, positions, md)
         return self._stage("decoder")(x, z, positions)
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
@@ -198,7 +205,9 @@ class ConceptMoEForCausalLM(nn.Module):
     def _stage(self, name: str):
         """A stage as a function: compiled with inductor (dynamic in its row count) when vLLM
         compiles, else the method itself. Only the concept step between the stages (routing,
-        gathering, dechunking: data-dependent shapes) stays eager."""
+        gathering, dechunking: data-dependent shapes) stays eager. A dynamic size of 1 gets a graph
+        of its own (torch specializes 0 and 1), so the warm-up runs each stage on one row too: no
+        stage compiles while requests wait."""
         fn = getattr(self, f"_{name}")
         if not self._compile:
             return fn
@@ -288,9 +297,9 @@ class ConceptMoEForCausalLM(nn.Module):
         n_real = batch.ends[-1] if batch.ends else 0
         hr, pos = h[:n_real], positions[:n_real].long()
         states = self._request_states(h)
-        for row, done in zip(batch.rows, batch.done):
-            if done == 0:
-                states.reset(row)
+        fresh = [row for row, done in zip(batch.rows, batch.done) if done == 0]
+        if fresh:
+            states.reset(fresh)
         per_request = self._terms(batch, h.device)
         terms = _repeat(per_request, [e - s for s, e in zip(batch.starts, batch.ends)])
         h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
@@ -298,9 +307,10 @@ class ConceptMoEForCausalLM(nn.Module):
         if cfg.chunk_router == "cosine":
             keys = m.chunk.key(h_in)  # (N, D) fp32
             prev = torch.roll(keys, 1, 0)
-            for s, row, done in zip(batch.starts, batch.rows, batch.done):
-                if done:
-                    prev[s] = states.last_key[row]
+            going = [(s, row) for s, row, done in zip(batch.starts, batch.rows, batch.done) if done]
+            if going:  # a chunk's first token against its request's kept key
+                at, rows = zip(*going)
+                prev[list(at)] = states.last_key[list(rows)]
         shift = {} if terms is None else {"shift": terms.shift}
         p, _ = m.chunk.step(h_in, prev, pos, **shift)  # (N,)
         b = p >= 0.5
@@ -385,12 +395,11 @@ class ConceptMoEForCausalLM(nn.Module):
             return
         kbs = self.concept_attn[0].kv_cache.shape[2]
         per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
-        concepts = states.concepts[batch.rows].tolist()
+        concepts = states.concepts[batch.rows].cpu().numpy()
+        tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
         for _, bt in groups:
-            first = bt[:len(batch.rows), 0].tolist()
-            for r, e in enumerate(batch.ends):
-                tokens = batch.done[r] + e - batch.starts[r]
-                table.write(first[r] // per_block, tokens, concepts[r])
+            keys = bt[:len(batch.rows), 0].cpu().numpy() // per_block
+            table.write_many(keys, tokens, concepts)
 
     def _feedback_table(self) -> FeedbackTable | None:
         if self._feedback is None and not self._feedback_failed:

@@ -34,9 +34,9 @@ class RequestStates:
         return cls(zeros(blocks, d, dt=torch.float32), zeros(blocks, d), zeros(blocks, d),
                    zeros(blocks, dt=torch.long), zeros(blocks, dt=torch.long))
 
-    def reset(self, row: int) -> None:
+    def reset(self, rows: list[int]) -> None:
         for t in (self.last_key, self.z, self.pool_sum, self.pool_count, self.concepts):
-            t[row] = 0
+            t[rows] = 0
 
 
 @dataclass
@@ -53,18 +53,28 @@ def gather_concepts(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Ba
                     mean: bool):
     """Each request's new concepts, in batch order: raw inputs (M, D), concept positions (M,),
     their p (M,); new concepts per request and each request's concept count before the step.
-    ``mean``: a concept is the mean of its tokens (else the boundary token's state)."""
-    raws, cpos, cps, counts, firsts = [], [], [], [], []
-    for s, e, row in zip(batch.starts, batch.ends, batch.rows):
-        idx = b[s:e].nonzero().flatten()  # boundaries, positions within the chunk
-        c0, k = int(states.concepts[row]), idx.numel()
-        counts.append(k)
-        firsts.append(c0)
-        raws.append(mean_pool(h[s:e], idx, states, row) if mean else h[s:e][idx])
-        cpos.append(torch.arange(c0, c0 + k, device=h.device))
-        cps.append(p[s:e][idx])
-    cat = lambda xs, like: torch.cat(xs) if xs else like  # noqa: E731
-    return (cat(raws, h[:0]), cat(cpos, h.new_zeros(0, dtype=torch.long)), cat(cps, p[:0]), counts, firsts)
+    ``mean``: a concept is the mean of its tokens (else the boundary token's state). h, b, p: the
+    batch's N real tokens."""
+    dev = h.device
+    rid = _request_of_token(batch, dev)  # (N,)
+    rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
+    at = b.nonzero().flatten()  # (M,) boundary tokens, grouped by request in batch order
+    crid = rid[at]
+    counts = torch.bincount(crid, minlength=len(batch.rows))  # (R,)
+    firsts = states.concepts[rows]  # (R,)
+    rank = torch.arange(at.numel(), device=dev) - (counts.cumsum(0) - counts)[crid]  # within its request
+    if mean:
+        raw = torch.cat([mean_pool(h[s:e], b[s:e].nonzero().flatten(), states, row)
+                         for s, e, row in zip(batch.starts, batch.ends, batch.rows)]) if batch.rows else h[:0]
+    else:
+        raw = h[at]
+    return raw, firsts[crid] + rank, p[at], counts.tolist(), firsts.tolist()
+
+
+def _request_of_token(batch: Batch, device: torch.device) -> torch.Tensor:
+    """(N,) the request (batch index) each real token belongs to."""
+    lens = torch.tensor([e - s for s, e in zip(batch.starts, batch.ends)], device=device, dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
 
 
 def mean_pool(hs: torch.Tensor, idx: torch.Tensor, states: RequestStates, row: int) -> torch.Tensor:
@@ -92,19 +102,20 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     """z_j = p_j src_j + (1 - p_j) z_{j-1} over each request's concepts, from its kept z; every
     token gets the z of its latest concept (its request's kept z before the first). Writes z_tok
     (N, D) in place and advances each request's state."""
+    dev = z_tok.device
     R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
+    rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
+    k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
+    crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
+    slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
     cs = z_tok.new_zeros(R, width, D)
-    ps = torch.zeros(R, width, device=z_tok.device)
-    rows = torch.tensor(batch.rows, device=z_tok.device)
+    ps = torch.zeros(R, width, device=dev)
     cs[:, 0], ps[:, 0] = states.z[rows], 1.0
-    off = 0
-    for r, k in enumerate(counts):
-        cs[r, 1:1 + k] = src[off:off + k]
-        ps[r, 1:1 + k] = c_p[off:off + k].float()
-        off += k
+    cs[crid, slot], ps[crid, slot] = src.to(cs.dtype), c_p.float()
     zs = ema_scan(ps, cs)  # (R, 1 + max new concepts, D)
-    for r, (s, e) in enumerate(zip(batch.starts, batch.ends)):
-        j = b[s:e].long().cumsum(0)  # concept each token reads (0: the kept z)
-        z_tok[s:e] = zs[r, j]
-        states.z[batch.rows[r]] = zs[r, counts[r]]
-    states.concepts[rows] += torch.tensor(counts, device=rows.device)
+    rid = _request_of_token(batch, dev)  # (N,)
+    seen = b.long().cumsum(0)  # boundaries up to each token, over the batch
+    before = (seen - b.long())[torch.tensor(batch.starts, device=dev, dtype=torch.long)] if R else seen[:0]  # (R,) before each request
+    z_tok[:rid.numel()] = zs[rid, seen - before[rid]]  # the concept each token reads (0: the kept z)
+    states.z[rows] = zs[torch.arange(R, device=dev), k]
+    states.concepts[rows] += k
