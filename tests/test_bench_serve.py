@@ -44,3 +44,23 @@ def test_bench_serve_refusals(runs, tmp_path, capsys):
     assert "twice" in capsys.readouterr().err
     assert main(["bench", "serve", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+    for bad, why in (("0", "--repeats must be >= 1"), ("3", "--repeats applies to --engine vllm")):
+        assert main(["bench", "serve", str(runs / "moe"), "--repeats", bad, "--out", str(tmp_path)]) == 2
+        assert why in capsys.readouterr().err
+
+
+def test_vllm_bench_reports_the_median_repeat(monkeypatch):
+    """Repeats on one server: the row is the median repeat's (its figures together), all repeats listed."""
+    from conceptmoe.bench import vllm_serve
+
+    speeds = iter([300.0, 100.0, 200.0])
+    monkeypatch.setattr(vllm_serve, "measure", lambda *a: {
+        "label": "x", "output_tokens_per_s": (v := next(speeds)), "mean_concurrent": v / 10, "peak_concurrent": 4,
+        "preemptions": 0.0, "seconds": 1.0, "request_throughput": 1.0, "ttft_s": {"mean": 0.1, "p50": 0.1, "p99": 0.1},
+        "tpot_s": {"mean": None, "p50": None, "p99": None}, "kv_cache_tokens": 5})
+    row = vllm_serve.repeated("u", "x", [], None, None, 3)
+    assert row["output_tokens_per_s"] == 200.0 and row["mean_concurrent"] == 20.0
+    assert [r["output_tokens_per_s"] for r in row["repeats"]] == [300.0, 100.0, 200.0]
+    report = {"rows": [row], "settings": {"repeats": 3, "kv_cache_mb": 1, "dtype": "fp32"},
+              "machine": {"cpu_model": "c", "cpu_count": 2, "cpu_flags": [], "cpu_bf16": None}}
+    assert "| 200.0 (100–300) |" in vllm_serve.format_table(report) and "median of 3" in vllm_serve.format_table(report)

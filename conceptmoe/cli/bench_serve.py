@@ -55,6 +55,9 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
                         "run (the extra `vllm`; bench/vllm_serve.py)")
     p.add_argument("--vllm-args", default="", metavar="ARGS",
                    help="with --engine vllm: more arguments for every vLLM server, one string")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --engine vllm: the load this many times on each server; the median repeat is "
+                        "reported, every repeat's throughput beside it (default 1)")
     p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -74,12 +77,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from .held_out import run_held_out_ids
 
     s.check()
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.repeats > 1 and args.engine != "vllm":
+        raise UserError("--repeats applies to --engine vllm")
     if args.engine == "vllm":
         from ..bench.vllm_serve import format_table, run_vllm_serve_bench
         from ..vllm_plugin.launch import check_installed
 
         check_installed()
-        report = run_vllm_serve_bench(s, run_held_out_ids(s.runs[0]).tolist(), args.vllm_args)
+        report = run_vllm_serve_bench(s, run_held_out_ids(s.runs[0]).tolist(), args.vllm_args, args.repeats)
     else:
         if args.vllm_args:
             raise UserError("--vllm-args applies to --engine vllm")
