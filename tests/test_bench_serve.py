@@ -49,16 +49,14 @@ def test_bench_serve_refusals(runs, tmp_path, capsys):
         assert why in capsys.readouterr().err
 
 
-def test_vllm_bench_reports_the_median_repeat(monkeypatch):
+def test_vllm_bench_reports_the_median_repeat():
     """Repeats on one server: the row is the median repeat's (its figures together), all repeats listed."""
     from conceptmoe.bench import vllm_serve
 
-    speeds = iter([300.0, 100.0, 200.0])
-    monkeypatch.setattr(vllm_serve, "measure", lambda *a: {
-        "label": "x", "output_tokens_per_s": (v := next(speeds)), "mean_concurrent": v / 10, "peak_concurrent": 4,
+    row = vllm_serve.median_repeat([{
+        "label": "x", "output_tokens_per_s": v, "mean_concurrent": v / 10, "peak_concurrent": 4,
         "preemptions": 0.0, "seconds": 1.0, "request_throughput": 1.0, "ttft_s": {"mean": 0.1, "p50": 0.1, "p99": 0.1},
-        "tpot_s": {"mean": None, "p50": None, "p99": None}, "kv_cache_tokens": 5})
-    row = vllm_serve.repeated("u", "x", [], None, None, 3)
+        "tpot_s": {"mean": None, "p50": None, "p99": None}, "kv_cache_tokens": 5} for v in (300.0, 100.0, 200.0)])
     assert row["output_tokens_per_s"] == 200.0 and row["mean_concurrent"] == 20.0
     assert [r["output_tokens_per_s"] for r in row["repeats"]] == [300.0, 100.0, 200.0]
     report = {"rows": [row], "settings": {"repeats": 3, "kv_cache_mb": 1, "dtype": "fp32"},

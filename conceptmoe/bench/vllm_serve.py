@@ -4,7 +4,7 @@ The requests are ``bench/serve.py``'s (prompts cut from the first run's held-out
 ignored, all at once or at a Poisson rate). Each run is served by ``conceptmoe serve RUN --engine
 vllm`` with the same ``--kv-cache-mb`` (vLLM's ``--kv-cache-memory-bytes``): a MoE run as its
 transformers family, a ConceptMoE through the plugin with its concept KV cache at concept rate.
-Per run: request throughput, output tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed
+Servers are measured interleaved (``run_vllm_serve_bench``). Per run: request throughput, output tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed
 chunks, the peak and mean number of requests vLLM ran at once (``vllm:num_requests_running``, polled
 every 50 ms; the mean over the samples with any running), its preemptions, and its KV-cache capacity in tokens as its own start-up line states it.
 """
@@ -142,40 +142,53 @@ def _mean_running(samples: list[int]) -> float:
     return sum(live) / len(live) if live else 0.0
 
 
-def repeated(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra: dict | None, repeats: int) -> dict:
-    """The load ``repeats`` times on one server: the row of the median repeat by output tokens/s
-    (its TTFT, TPOT and running figures go together), every repeat's headline figures beside it.
-    Where memory binds, one load's throughput swings with how vLLM's preemptions fall."""
-    rows = [measure(url, label, reqs, s, extra) for _ in range(repeats)]
-    row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[(repeats - 1) // 2]
+def median_repeat(rows: list[dict]) -> dict:
+    """The repeat with the median output tokens/s (its TTFT, TPOT and running figures go together),
+    every repeat's headline figures beside it."""
+    row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[(len(rows) - 1) // 2]
     keys = ("output_tokens_per_s", "mean_concurrent", "peak_concurrent", "preemptions", "seconds")
     return {**row, "repeats": [{k: r[k] for k in keys} for r in rows]}
 
 
 def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: str = "", repeats: int = 1) -> dict:
+    """Every server started first (one at a time: start-up compiles), then the load sent to each in
+    turn, ``repeats`` rounds: the servers are measured interleaved, so a drift of the machine's
+    speed (seen here: 30% between runs minutes apart) falls on all of them alike. An idle vLLM
+    server stops polling within a second, so the one under load has the cores."""
     from ..training.checkpoint import load_run_meta
 
     s.check()
     reqs = make_requests(held_out, s)
     max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)  # vLLM refuses more than the model's positions
-    rows = []
+    servers = []
     with tempfile.TemporaryDirectory() as tmp:
-        for run in s.runs:
-            cfg = load_run_meta(run)[0]
-            for label, R in points(run, cfg, s):  # a fresh server each, as bench/serve.py
-                print(f"bench serve (vLLM): {label}: {len(reqs)} requests ...", file=sys.stderr, flush=True)
-                log = Path(tmp) / "server.log"
-                proc, url = start(run, s, max_len, vllm_args, log)
-                try:
-                    row = repeated(url, label, reqs, s, {"vllm_xargs": {"concept_ratio": R}} if R else {}, repeats)
-                finally:
-                    proc.terminate()
-                    proc.wait(120)
-                m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
-                row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
-                rows.append(row)
-    return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args, "repeats": repeats},
-            "machine": machine(), "rows": rows}
+        try:
+            for run in s.runs:
+                cfg = load_run_meta(run)[0]
+                for label, R in points(run, cfg, s):  # a server each, as bench/serve.py
+                    print(f"bench serve (vLLM): starting {label} ...", file=sys.stderr, flush=True)
+                    log = Path(tmp) / f"server-{len(servers)}.log"
+                    proc, url = start(run, s, max_len, vllm_args, log)
+                    servers.append((run, cfg, label, R, proc, url, log))
+            measured: list[list[dict]] = [[] for _ in servers]
+            for i in range(repeats):
+                for (run, cfg, label, R, proc, url, log), got in zip(servers, measured):
+                    print(f"bench serve (vLLM): {label}: {len(reqs)} requests (round {i + 1} of {repeats}) ...",
+                          file=sys.stderr, flush=True)
+                    got.append(measure(url, label, reqs, s, {"vllm_xargs": {"concept_ratio": R}} if R else {}))
+        finally:
+            for *_, proc, _url, _log in servers:
+                proc.terminate()
+            for *_, proc, _url, _log in servers:
+                proc.wait(120)
+        rows = []
+        for (run, cfg, label, R, proc, url, log), got in zip(servers, measured):
+            row = median_repeat(got)
+            m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
+            row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
+            rows.append(row)
+    return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args, "repeats": repeats,
+                         "interleaved": True}, "machine": machine(), "rows": rows}
 
 
 def format_table(report: dict) -> str:
