@@ -3,7 +3,8 @@ servable by vLLM, its concept layers' KV cache paged at concept rate (CONCEPTMOE
 
 ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM calls it in every
 process it starts (API server, engine core, workers), so it is idempotent. It registers the
-transformers config, the model class and the concept KV-cache spec with its manager (``kv.py``).
+transformers config, the model class and the concept KV-cache spec with its manager (``kv.py``),
+and fixes seeded sampling of split prompts in vLLM's CPU engine (``seeded.py``).
 The model is ``model.py``; ``launch.py`` starts a vLLM server for a run (``conceptmoe serve
 --engine vllm``).
 
@@ -49,6 +50,9 @@ def register() -> None:
     from .kv import register_spec
 
     register_spec()
+    from .seeded import patch as fix_seeded_cpu_sampling
+
+    fix_seeded_cpu_sampling()  # vLLM 0.32's CPU engine fails seeded prompts split across steps (seeded.py)
     if MODEL_CLASS not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(MODEL_CLASS, "conceptmoe.vllm_plugin.model:ConceptMoEForCausalLM")
     _done = True
