@@ -139,9 +139,9 @@ SERVING = (  # record, engine, note
     ("serving/fp32-64mb.json", "built-in", ""),
     ("serving/fp32-512mb.json", "built-in", ""),
     ("serving/bf16-12mb.json", "built-in", ""),
-    ("serving/vllm-fp32-64mb/serve.json", "vLLM", "MoE compiled, ConceptMoE eager"),
+    ("serving/vllm-fp32-64mb/serve.json", "vLLM", "both compiled"),
     ("serving/vllm-fp32-64mb-eager/serve.json", "vLLM", "both eager"),
-    ("serving/vllm-fp32-512mb/serve.json", "vLLM", "MoE compiled, ConceptMoE eager"),
+    ("serving/vllm-fp32-512mb/serve.json", "vLLM", "both compiled"),
 )
 
 
