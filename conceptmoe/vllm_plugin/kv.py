@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.model_executor.layers.attention import Attention
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 FEEDBACK_DIR = Path(os.environ.get("CONCEPTMOE_VLLM_FEEDBACK_DIR", "/dev/shm" if Path("/dev/shm").is_dir()
@@ -55,6 +56,20 @@ class ConceptAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, vllm_config) -> int:
         concepts = math.ceil(vllm_config.model_config.max_model_len / self.compression)
         return cdiv(concepts, self.block_size) * self.page_size_bytes
+
+
+class ConceptAttention(Attention):
+    """A concept layer's attention: vLLM's, with a KV spec counted in concepts."""
+
+    def __init__(self, *args, compression: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.compression = compression
+
+    def get_kv_cache_spec(self, vllm_config):
+        full = super().get_kv_cache_spec(vllm_config)
+        return ConceptAttentionSpec(block_size=full.block_size, num_kv_heads=full.num_kv_heads,
+                                    head_size=full.head_size, head_size_v=full.head_size_v, dtype=full.dtype,
+                                    kv_quant_mode=full.kv_quant_mode, compression=self.compression)
 
 
 class FeedbackTable:

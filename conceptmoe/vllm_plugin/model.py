@@ -37,7 +37,6 @@ H query heads, G key/value heads, Dh head dim.
 from __future__ import annotations
 
 import os
-from dataclasses import fields, replace
 
 import numpy as np
 import torch
@@ -50,8 +49,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from ..model.attention import rope_tables
 from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
-from .kv import ConceptAttentionSpec, FeedbackTable
-from .ratio import row_ratios
+from .kv import ConceptAttention, FeedbackTable
+from .ratio import repeat_terms, row_ratios
 from .state import Batch, RequestStates, dechunk, gather_concepts
 
 
@@ -76,29 +75,6 @@ def compiles(vllm_config: VllmConfig) -> bool:
 
     return (not vllm_config.model_config.enforce_eager
             and vllm_config.compilation_config.mode != CompilationMode.NONE)
-
-
-def _repeat(terms, sizes: list[int]):
-    """Per-request ratio terms repeated ``sizes[i]`` times for request i (its tokens, or its new concepts)."""
-    if terms is None:
-        return None
-    n = torch.tensor(sizes, dtype=torch.long, device=terms.ratio.device)
-    return replace(terms, **{f.name: None if getattr(terms, f.name) is None
-                             else getattr(terms, f.name).repeat_interleave(n, 0) for f in fields(terms)})
-
-
-class ConceptAttention(Attention):
-    """A concept layer's attention: vLLM's, with a KV spec counted in concepts."""
-
-    def __init__(self, *args, compression: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.compression = compression
-
-    def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        full = super().get_kv_cache_spec(vllm_config)
-        return ConceptAttentionSpec(block_size=full.block_size, num_kv_heads=full.num_kv_heads,
-                                    head_size=full.head_size, head_size_v=full.head_size_v, dtype=full.dtype,
-                                    kv_quant_mode=full.kv_quant_mode, compression=self.compression)
 
 
 class ConceptMoEForCausalLM(nn.Module):
@@ -301,7 +277,7 @@ class ConceptMoEForCausalLM(nn.Module):
         if fresh:
             states.reset(fresh)
         per_request = self._terms(batch, h.device)
-        terms = _repeat(per_request, [e - s for s, e in zip(batch.starts, batch.ends)])
+        terms = repeat_terms(per_request, [e - s for s, e in zip(batch.starts, batch.ends)])
         h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
         prev = None
         if cfg.chunk_router == "cosine":
@@ -317,7 +293,7 @@ class ConceptMoEForCausalLM(nn.Module):
         c_raw, c_pos, c_p, counts, firsts = gather_concepts(hr, b, p, batch, states, cfg.concept_pooling == "mean")
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
-            c_terms = None if per_request is None else _repeat(per_request, counts).concept
+            c_terms = None if per_request is None else repeat_terms(per_request, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
             c = self._stage("concept")(c_in, c_pos)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -114,3 +115,12 @@ def row_ratios(n: int) -> list[float | None]:
         return [None] * n
     got = _ACTIVE[0].ratios[:n]
     return got + [None] * (n - len(got))
+
+
+def repeat_terms(terms, sizes: list[int]):
+    """Per-request ratio terms repeated ``sizes[i]`` times for request i (its tokens, or its new concepts)."""
+    if terms is None:
+        return None
+    n = torch.tensor(sizes, dtype=torch.long, device=terms.ratio.device)
+    return replace(terms, **{f.name: None if getattr(terms, f.name) is None
+                             else getattr(terms, f.name).repeat_interleave(n, 0) for f in fields(terms)})
