@@ -43,13 +43,15 @@ def prompts() -> list[list[int]]:
 
 
 def grow_prompts() -> list[list[int]]:
-    """16 requests of 8 + GROW tokens: admitted at one 32-token block each, they all need a second
-    block at once, more than the budget holds: preemption is certain."""
+    """16 requests of 8 + GROW tokens: admitted at one 32-token block each (per group), each grows
+    to 4 token blocks, far more than the budget holds for the requests running together. Long, so
+    that they overlap however their arrivals spread over the (fast, compiled) steps: with 56 new
+    tokens a compiled server sometimes finished requests before the next arrived, and never preempted."""
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, 250, (8,), generator=g).tolist() for _ in range(16)]
 
 
-GROW = 56
+GROW = 112  # 8 + 112 <= max-model-len 128
 
 
 def reference(run, ps: list[list[int]], new: int) -> list[list[int]]:
@@ -67,7 +69,7 @@ def runs(tmp_path_factory):
     return root
 
 
-def grow_until_preempted(url: str, rounds: int = 5) -> list[list[list[int]]]:
+def grow_until_preempted(url: str, rounds: int = 6) -> list[list[list[int]]]:
     """The grow load, again until vLLM has preempted (at most ``rounds`` times): whether it
     preempts depends on how the requests' arrivals meet its steps (0 to 6 preemptions per round
     seen for one server). Every round's outputs, to be checked."""
