@@ -158,14 +158,17 @@ def serving() -> str:
     cores = {r["machine"]["cpu_count"] for r, *_ in recs}
     where = f"{cores.pop()}-core CPU" if len(cores) == 1 else "CPUs of different sizes"
     head = (f"| engine, KV budget (`bench serve`, {where}) | out tok/s MoE | out tok/s ConceptMoE | "
-            "ConceptMoE / MoE | sequences held (built-in: peak; vLLM: mean running) | KV bytes per token (built-in) or capacity in tokens (vLLM) | "
+            "ConceptMoE / MoE | sequences held (built-in: peak; vLLM: mean running) | "
+            "KV bytes per token (built-in) or capacity in tokens (vLLM) | "
             "source |\n|---|---|---|---|---|---|---|")
     rows = []
     for rec, rel, engine, note in recs:
         moe, cm = (next(r for r in rec["rows"] if r["kind"] == k) for k in ("moe", "conceptmoe"))
         s = rec["settings"]
-        preempted = engine == "vLLM" and moe["preemptions"] > 0  # vLLM admits at first-chunk size: its peak can reach all
-        binds = "binds" if preempted or min(moe["peak_concurrent"], cm["peak_concurrent"]) < s["requests"] else "does not bind"
+        # vLLM admits at first-chunk size, so its peak can reach every request even where memory binds
+        preempted = engine == "vLLM" and moe["preemptions"] > 0
+        peak_short = min(moe["peak_concurrent"], cm["peak_concurrent"]) < s["requests"]
+        binds = "binds" if preempted or peak_short else "does not bind"
         shape = f"{s['requests']} × {s['prompt_len']} + {s['output_len']}"
         kv = (f"{cm['kv_bytes_per_token']:.0f} vs {moe['kv_bytes_per_token']:.0f}" if engine == "built-in"
               else f"{cm['kv_cache_tokens']} vs {moe['kv_cache_tokens']} tokens")

@@ -4,9 +4,11 @@ The requests are ``bench/serve.py``'s (prompts cut from the first run's held-out
 ignored, all at once or at a Poisson rate). Each run is served by ``conceptmoe serve RUN --engine
 vllm`` with the same ``--kv-cache-mb`` (vLLM's ``--kv-cache-memory-bytes``): a MoE run as its
 transformers family, a ConceptMoE through the plugin with its concept KV cache at concept rate.
-Servers are measured interleaved (``run_vllm_serve_bench``). Per run: request throughput, output tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed
-chunks, the peak and mean number of requests vLLM ran at once (``vllm:num_requests_running``, polled
-every 50 ms; the mean over the samples with any running), its preemptions, and its KV-cache capacity in tokens as its own start-up line states it.
+Servers are measured interleaved (``run_vllm_serve_bench``). Per run: request throughput, output
+tokens/s, TTFT and TPOT (mean, p50, p99) from the streamed chunks, the peak and mean number of
+requests vLLM ran at once (``vllm:num_requests_running``, polled every 50 ms; the mean over the
+samples with any running), its preemptions, and its KV-cache capacity in tokens as its own start-up
+line states it.
 """
 
 from __future__ import annotations
@@ -194,7 +196,8 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
 def format_table(report: dict) -> str:
     rows, base = report["rows"], report["rows"][0]
     n = report["settings"].get("repeats", 1)
-    lines = [f"| run (vLLM) | req/s | out tok/s{f' (median of {n}; min–max)' if n > 1 else ''} | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
+    tok_s = f"out tok/s (median of {n}; min–max)" if n > 1 else "out tok/s"
+    lines = [f"| run (vLLM) | req/s | {tok_s} | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
              "| running peak / mean | preemptions | KV cache (tokens) |", "|" + "---|" * 9]
     for r in rows:
         t, p = r["ttft_s"], r["tpot_s"]
@@ -203,7 +206,8 @@ def format_table(report: dict) -> str:
         span = f" ({min(spread):.0f}–{max(spread):.0f})" if len(spread) > 1 else ""
         lines.append(f"| {r['label']} | {r['request_throughput']:.2f} | {r['output_tokens_per_s']:.1f}{span} "
                      f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x "
-                     f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} | {r['peak_concurrent']} / {r.get('mean_concurrent', 0):.1f} "
+                     f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} "
+                     f"| {r['peak_concurrent']} / {r.get('mean_concurrent', 0):.1f} "
                      f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} |")
     m = report["machine"]
     lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); "

