@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 
-from conceptmoe.model.scan import ema_scan
 from conceptmoe.vllm_plugin.state import Batch, RequestStates, dechunk, gather_concepts, mean_pool
 
 D = 8
@@ -29,19 +28,18 @@ def loop_gather(h, b, p, batch, states, mean):
 
 
 def loop_dechunk(z_tok, src, c_p, b, batch, counts, states):
-    R, width = len(counts), 1 + max(counts, default=0)
-    cs, ps = z_tok.new_zeros(R, width, D), torch.zeros(R, width)
-    rows = torch.tensor(batch.rows)
-    cs[:, 0], ps[:, 0] = states.z[rows], 1.0
+    """Request by request, concept by concept: z = p src + (1 - p) z (``inference/steps.py``)."""
     off = 0
-    for r, k in enumerate(counts):
-        cs[r, 1:1 + k], ps[r, 1:1 + k] = src[off:off + k], c_p[off:off + k].float()
-        off += k
-    zs = ema_scan(ps, cs)
     for r, (s, e) in enumerate(zip(batch.starts, batch.ends)):
-        z_tok[s:e] = zs[r, b[s:e].long().cumsum(0)]
-        states.z[batch.rows[r]] = zs[r, counts[r]]
-    states.concepts[rows] += torch.tensor(counts)
+        row, k = batch.rows[r], counts[r]
+        zs = [states.z[row].clone()]
+        for j in range(k):
+            pj = c_p[off + j].to(z_tok.dtype)
+            zs.append(pj * src[off + j] + (1 - pj) * zs[-1])
+        off += k
+        z_tok[s:e] = torch.stack(zs)[b[s:e].long().cumsum(0)]
+        states.z[row] = zs[-1]
+    states.concepts[torch.tensor(batch.rows)] += torch.tensor(counts)
 
 
 def case(seed: int):

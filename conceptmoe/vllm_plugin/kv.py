@@ -35,10 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from vllm.forward_context import get_forward_context
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+from .state import Batch, RequestStates
 
 FEEDBACK_DIR = Path(os.environ.get("CONCEPTMOE_VLLM_FEEDBACK_DIR", "/dev/shm" if Path("/dev/shm").is_dir()
                                    else tempfile.gettempdir()))
@@ -155,6 +160,73 @@ class ConceptAttentionManager(FullAttentionManager):
         if blocks and table is not None:
             table.clear(blocks[0].block_id)
         return blocks
+
+
+class ConceptCache:
+    """The model's side of the concept cache: concept-rate attention metadata for the concept
+    layers, and each request's (tokens, concepts) reported to the concept groups' managers."""
+
+    def __init__(self, vllm_config, layers) -> None:
+        self.vllm_config, self.layers = vllm_config, layers
+        self._builder = None
+        self._feedback: FeedbackTable | None = None
+        self._feedback_failed = False
+
+    def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
+        """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
+        reads it: the requests with new concepts, queries = their new concepts, context = all
+        their concepts, slots = the concept positions in the group's blocks."""
+        ctx = get_forward_context()
+        live = [r for r, k in enumerate(counts) if k]
+        dev = c_pos.device
+        qsl = torch.tensor([0] + [counts[r] for r in live], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        seq = torch.tensor([firsts[r] + counts[r] for r in live], dtype=torch.int32)
+        req = torch.repeat_interleave(torch.tensor(live, device=dev), torch.tensor([counts[r] for r in live],
+                                                                                  device=dev))  # (M,)
+        for names, table in groups:
+            kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
+            bt = table[torch.tensor(live, device=table.device)]
+            slots = table[req, c_pos // kbs].long() * kbs + c_pos % kbs  # (M,)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=len(live),
+                num_actual_tokens=int(c_pos.numel()), max_query_len=max(counts), max_seq_len=int(seq.max()),
+                block_table_tensor=bt, slot_mapping=slots, causal=True)
+            cmd = self._metadata_builder().build(0, common)
+            for name in names:
+                ctx.attn_metadata[name] = cmd
+                ctx.slot_mapping[name] = slots
+
+    def _metadata_builder(self):
+        if self._builder is None:
+            layer = self.layers[0]
+            spec = layer.get_kv_cache_spec(self.vllm_config)
+            names = [a.layer_name for a in self.layers]
+            device = layer.kv_cache.device
+            self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
+        return self._builder
+
+    def report(self, groups, batch: Batch, states: RequestStates) -> None:
+        """(tokens, concepts) of every request, for the concept groups' managers (``ConceptAttentionManager``)."""
+        table = self._feedback_table()
+        if table is None:
+            return
+        kbs = self.layers[0].kv_cache.shape[2]
+        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
+        concepts = states.concepts[batch.rows].cpu().numpy()
+        tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
+        for _, bt in groups:
+            keys = bt[:len(batch.rows), 0].cpu().numpy() // per_block
+            table.write_many(keys, tokens, concepts)
+
+    def _feedback_table(self) -> FeedbackTable | None:
+        if self._feedback is None and not self._feedback_failed:
+            backend = self.vllm_config.parallel_config.distributed_executor_backend
+            engine = os.getppid() if backend == "mp" else os.getpid()
+            try:
+                self._feedback = FeedbackTable(engine, self.layers[0].kv_cache.shape[0])
+            except OSError:
+                self._feedback_failed = True
+        return self._feedback
 
 
 _TABLES: dict[int, FeedbackTable] = {}

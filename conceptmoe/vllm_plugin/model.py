@@ -13,8 +13,8 @@ metadata. One forward:
    go through the concept blocks as one flat batch of concepts, positioned at their concept index;
    their attention metadata is built here from the concept group's block tables: request r's
    C_r earlier concepts are its context, its m_r new ones the queries, written at slots C_r..;
-4. dechunk: the EMA over each request's concepts (``ema_scan``), started from the z its request
-   kept, broadcast back to the tokens;
+4. dechunk: the EMA over each request's concepts, concept by concept as ``inference/steps.py``,
+   started from the z its request kept, broadcast back to the tokens;
 5. decoder blocks at token rate with joint decoding; the final norm; ``compute_logits`` applies
    the head.
 
@@ -36,22 +36,33 @@ H query heads, G key/value heads, Dh head dim.
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.model_executor.layers.linear import ReplicatedLinear
 
 from ..model.attention import rope_tables
 from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
-from .kv import ConceptAttention, FeedbackTable
+from .dense import BlockLinears, run_block
+from .kv import ConceptAttention, ConceptCache
 from .ratio import repeat_terms, row_ratios
 from .state import Batch, RequestStates, dechunk, gather_concepts
+
+
+class _Step(NamedTuple):
+    """One forward's requests and what the concept step needs of them."""
+
+    md: dict  # vLLM's attention metadata per layer
+    groups: list  # the concept groups: (layer names, block table)
+    batch: Batch
+    states: RequestStates
+    terms: object  # an elastic model's ratio terms, one row per request (else None)
+    n: int  # real tokens in the flat batch
 
 
 def refuse_unsupported(vllm_config: VllmConfig) -> None:
@@ -101,15 +112,18 @@ class ConceptMoEForCausalLM(nn.Module):
                                           for i in range(n_concept))
         # Each block's routed experts on vLLM's fused MoE kernels (our router and shared expert
         # stay ours): the weights are copied in at load_weights.
-        self.fused = nn.ModuleList(self._fused_moe(blk.moe, f"{prefix}.fused.{i}") for i, blk in enumerate(self._blocks()))
+        blocks = self._blocks()
+        self.fused = nn.ModuleList(self._fused_moe(blk.moe, f"{prefix}.fused.{i}") for i, blk in enumerate(blocks))
+        # ... and their dense projections fused on vLLM's linear layers (dense.py), the head too
+        self.dense = nn.ModuleList(BlockLinears(blk, f"{prefix}.dense.{i}") for i, blk in enumerate(blocks))
+        self.head = ReplicatedLinear(cfg.d_model, cfg.vocab_size, bias=False, params_dtype=torch.get_default_dtype(),
+                                     prefix=f"{prefix}.head", return_bias=False)
         self._layers = self._stacks()
         self._compile = compiles(vllm_config)
         self._compiled: dict[str, object] = {}
         self._inductor = dict(vllm_config.compilation_config.inductor_compile_config)
         self._states: RequestStates | None = None
-        self._builder = None
-        self._feedback: FeedbackTable | None = None
-        self._feedback_failed = False
+        self._cache = ConceptCache(vllm_config, self.concept_attn)
 
     def _blocks(self) -> list[Block]:
         m = self.model
@@ -117,12 +131,13 @@ class ConceptMoEForCausalLM(nn.Module):
             return list(m.layers)
         return [*m.encoder, *m.concept, *m.decoder]
 
-    def _stacks(self) -> dict[str, list[tuple[Block, Attention, nn.Module]]]:
-        """Each stage's layers as (our block, its vLLM attention, its fused experts), in order
-        (the concept blocks repeated over their loops, as their attention layers are)."""
+    def _stacks(self) -> dict[str, list[tuple[Block, BlockLinears, Attention, nn.Module]]]:
+        """Each stage's layers as (our block, its fused linears, its vLLM attention, its fused
+        experts), in order (the concept blocks repeated over their loops, as their attention is)."""
         m = self.model
-        fused = dict(zip(map(id, self._blocks()), self.fused))
-        stack = lambda blocks, attns: [(b, a, fused[id(b)]) for b, a in zip(blocks, attns)]  # noqa: E731
+        own = {id(b): (lin, fused) for b, lin, fused in zip(self._blocks(), self.dense, self.fused)}
+        stack = lambda blocks, attns: [(b, own[id(b)][0], a, own[id(b)][1])  # noqa: E731
+                                       for b, a in zip(blocks, attns)]
         if not isinstance(m, ConceptMoELM):
             return {"plain": stack(m.layers, self.token_attn)}
         n_enc = len(m.encoder)
@@ -153,7 +168,7 @@ class ConceptMoEForCausalLM(nn.Module):
         return self.model.embed(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden_states)
+        return self.head(hidden_states)
 
     def load_weights(self, weights) -> set[str]:
         """The export's ``model.<our key>`` tensors, into our modules (tied keys included)."""
@@ -170,6 +185,10 @@ class ConceptMoEForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"conceptmoe checkpoint lacks {missing[0]} (and {len(missing) - 1} more)")
         self._copy_experts()
+        with torch.no_grad():
+            for blk, lin in zip(self._blocks(), self.dense):
+                lin.load_from(blk)
+            self.head.weight.copy_(self.model.lm_head.weight)
         return {name for name, _ in self.named_parameters()}
 
     @torch.no_grad()
@@ -181,12 +200,18 @@ class ConceptMoEForCausalLM(nn.Module):
         dummy = md is None or not isinstance(md, dict)  # profile and warm-up runs: shapes only
         if dummy and self._compile and x.shape[0] > 1:
             self.forward(None if input_ids is None else input_ids[:1], positions[:1], inputs_embeds=x[:1])
-        cos, sin = self._rope(positions, x.dtype)
         if not isinstance(m, ConceptMoELM):
-            return self._stage("plain")(x, cos, sin)
-        x = self._stage("encoder")(x, cos, sin)
-        z = self._concepts_dummy(x, positions) if dummy else self._concepts(x, positions, md)
-        return self._stage("decoder")(x, z, cos, sin)
+            return self._stage("plain")(x, *self._rope(positions, x.dtype))
+        step = None if dummy else self._step(md, x)
+        n = x.shape[0] if step is None else step.n  # the real tokens (vLLM may pad the batch)
+        # positions copied: vLLM's are a view of a buffer made outside inference mode, which a compiled
+        # stage would guard on (its base's size, its dispatch keys), unlike the concepts' positions
+        h, pos = x[:n], positions[:n].clone()
+        cos, sin = self._rope(pos, x.dtype)
+        h, p, keys = self._stage("encoder")(h, cos, sin, *self._route_inputs(h, pos, step))
+        z = self._concepts_dummy(h, pos) if step is None else self._concepts(h, p, keys, step)
+        out = self._stage("decoder")(h, z, cos, sin)
+        return out if n == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[1])])
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
@@ -204,26 +229,40 @@ class ConceptMoEForCausalLM(nn.Module):
         return self._compiled[name]
 
     def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        for blk, attn, fused in self._layers["plain"]:
-            x = self._block(blk, attn, fused, x, cos, sin)
+        for blk, lin, attn, fused in self._layers["plain"]:
+            x = run_block(blk, lin, attn, fused, x, cos, sin)
         return self.model.norm(x)
 
-    def _encoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        for blk, attn, fused in self._layers["encoder"]:
-            x = self._block(blk, attn, fused, x, cos, sin)
-        return x
+    def _encoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *route):
+        """The encoder blocks, then the chunk router on their output: (h, p, keys)."""
+        for blk, lin, attn, fused in self._layers["encoder"]:
+            x = run_block(blk, lin, attn, fused, x, cos, sin)
+        return (x, *self._route(x, *route))
+
+    def _route(self, h: torch.Tensor, pos: torch.Tensor, carry: torch.Tensor, kept: torch.Tensor,
+               bias: torch.Tensor | None, shift: torch.Tensor | None):
+        """p (N,) and the cosine router's keys (N, D) fp32 (else None): each token against the
+        previous token's key, a request's first token (``carry``) against the key it kept."""
+        chunk = self.model.chunk
+        h = h if bias is None else h + bias.to(h.dtype)
+        keys = prev = None
+        if self.cfg.chunk_router == "cosine":
+            keys = chunk.key(h)
+            prev = torch.where(carry[:, None], kept, torch.roll(keys, 1, 0))
+        p, _ = chunk.step(h, prev, pos, **({} if shift is None else {"shift": shift}))
+        return p, keys
 
     def _decoder(self, x: torch.Tensor, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + z
-        for blk, attn, fused in self._layers["decoder"]:
-            h = self._block(blk, attn, fused, h, cos, sin, z)
+        for blk, lin, attn, fused in self._layers["decoder"]:
+            h = run_block(blk, lin, attn, fused, h, cos, sin, z)
         return self.model.norm(h)
 
     def _concept(self, c: torch.Tensor, c_pos: torch.Tensor) -> torch.Tensor:
         """The concept blocks (times their loops) on the flat batch of new concepts c (M, D)."""
         cos, sin = self._rope(c_pos, c.dtype)
-        for blk, attn, fused in self._layers["concept"]:
-            c = self._block(blk, attn, fused, c, cos, sin)
+        for blk, lin, attn, fused in self._layers["concept"]:
+            c = run_block(blk, lin, attn, fused, c, cos, sin)
         return c
 
     # -- the pieces ------------------------------------------------------------------------------
@@ -231,32 +270,9 @@ class ConceptMoEForCausalLM(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_tables(positions.long(), self.cfg.head_dim, self.cfg.rope_theta, dtype)  # (N, Dh) each
 
-    def _block(self, blk: Block, attn: Attention, fused, x: torch.Tensor, cos, sin, z=None) -> torch.Tensor:
-        """Our block on a flat batch x (N, D), its attention through vLLM's paged cache."""
-        n = x.shape[0]
-        q, k, v = blk.attn.project(blk.attn_norm(x)[None], cos[None], sin[None],
-                                   None if z is None else z[None])  # (1, H|G, N, Dh)
-        flat = lambda t: t[0].transpose(0, 1).reshape(n, -1)  # noqa: E731  (N, H|G * Dh)
-        o = attn(flat(q), flat(k), flat(v))  # (N, H * Dh)
-        x = x + blk.attn.wo(o.to(x.dtype))
-        return x + self._ffn(blk, fused, blk.moe_norm(x))
-
-    def _ffn(self, blk: Block, fused, h: torch.Tensor) -> torch.Tensor:
-        """The block's MoE on h (N, D): our fp32 router's logits, vLLM's fused experts, our shared expert."""
-        moe = blk.moe
-        logits = torch.nn.functional.linear(h.float(), moe.router.weight.float())  # (N, E) fp32, as ours
-        y = fused(hidden_states=h, router_logits=logits)
-        if moe.shared is not None:
-            s = moe.shared(h)
-            y = y + (torch.sigmoid(moe.shared_gate(h)) * s if moe.shared_gate is not None else s)
-        return y
-
-    def _concepts_dummy(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling.
-        The positions are copied: vLLM's are a view of a buffer made outside inference mode, which
-        the compiled stage would guard on (its base's size, its dispatch keys) unlike the concept
-        positions of real steps."""
-        return self._stage("concept")(h, positions.clone()) - h
+    def _concepts_dummy(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
+        return self._stage("concept")(h, pos) - h
 
     def _row_ratios(self, batch: Batch) -> list[float]:
         """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""
@@ -270,47 +286,57 @@ class ConceptMoEForCausalLM(nn.Module):
         return self.model.ratio_terms(self._row_ratios(batch), len(batch.starts), device, self.extrapolate)
 
 
-    def _concepts(self, h: torch.Tensor, positions: torch.Tensor, md: dict) -> torch.Tensor:
-        """Route, run the new concepts, dechunk: the z (N, D) every token of the batch reads."""
-        m, cfg = self.model, self.cfg
-        tok_md = md[self.token_attn[0].layer_name]
+    def _step(self, md: dict, x: torch.Tensor) -> _Step:
+        """This step's requests, their state (reset for a request starting over: new, or recomputed
+        after preemption) and, for an elastic model, their ratio terms."""
         groups = self._concept_groups(md)
-        batch = self._batch(tok_md, groups[0][1])
-        n_real = batch.ends[-1] if batch.ends else 0
-        hr, pos = h[:n_real], positions[:n_real].long()
-        states = self._request_states(h)
+        batch = self._batch(md[self.token_attn[0].layer_name], groups[0][1])
+        states = self._request_states(x)
         fresh = [row for row, done in zip(batch.rows, batch.done) if done == 0]
         if fresh:
             states.reset(fresh)
-        per_request = self._terms(batch, h.device)
-        terms = repeat_terms(per_request, [e - s for s, e in zip(batch.starts, batch.ends)])
-        h_in = hr if terms is None or terms.router is None else hr + terms.router.to(hr.dtype)
-        prev = None
-        if cfg.chunk_router == "cosine":
-            keys = m.chunk.key(h_in)  # (N, D) fp32
-            prev = torch.roll(keys, 1, 0)
-            going = [(s, row) for s, row, done in zip(batch.starts, batch.rows, batch.done) if done]
-            if going:  # a chunk's first token against its request's kept key
-                at, rows = zip(*going)
-                prev[list(at)] = states.last_key[list(rows)]
-        shift = {} if terms is None else {"shift": terms.shift}
-        p, _ = m.chunk.step(h_in, prev, pos, **shift)  # (N,)
+        return _Step(md, groups, batch, states, self._terms(batch, x.device), batch.ends[-1] if batch.ends else 0)
+
+    def _route_inputs(self, h: torch.Tensor, pos: torch.Tensor, step: _Step | None):
+        """The router's inputs besides h: positions, which tokens read their request's kept key
+        (a chunk's first token, where the request goes on) and that key, the ratio terms per token.
+        Without a step (warm-up), inputs of the same kinds and shapes."""
+        n, dev = h.shape[0], h.device
+        carry, at = torch.zeros(n, dtype=torch.bool, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+        if step is None:
+            kept = h.new_zeros(n, h.shape[1], dtype=torch.float32)
+            terms = repeat_terms(self.model.ratio_terms(None, 1, dev, self.extrapolate) if self.model.ratio_embed
+                                 is not None else None, [n])
+        else:
+            b = step.batch
+            going = [(s, row) for s, row, done in zip(b.starts, b.rows, b.done) if done]
+            if going:
+                first, rows = (list(t) for t in zip(*going))
+                carry[first], at[first] = True, torch.tensor(rows, device=dev)
+            kept = step.states.last_key[at]
+            terms = repeat_terms(step.terms, [e - s for s, e in zip(b.starts, b.ends)])
+        return pos, carry, kept, *((None, None) if terms is None else (terms.router, terms.shift))
+
+    def _concepts(self, h: torch.Tensor, p: torch.Tensor, keys: torch.Tensor | None, step: _Step) -> torch.Tensor:
+        """The boundaries, the new concepts through the concept stack, dechunked: the z (N, D)
+        every token of the batch reads."""
+        cfg, md, groups, batch, states = self.cfg, step.md, step.groups, step.batch, step.states
         b = p >= 0.5
-        c_raw, c_pos, c_p, counts, firsts = gather_concepts(hr, b, p, batch, states, cfg.concept_pooling == "mean")
+        c_raw, c_pos, c_p, counts, firsts = gather_concepts(h, b, p, batch, states, cfg.concept_pooling == "mean")
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
-            c_terms = None if per_request is None else repeat_terms(per_request, counts).concept
+            c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
-            self._install_concept_metadata(md, groups, batch, counts, firsts, c_pos)
+            self._cache.install_metadata(md, groups, counts, firsts, c_pos)
             c = self._stage("concept")(c_in, c_pos)
             src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
         else:
             src = h.new_zeros(0, h.shape[1])
         dechunk(z_tok, src, c_p, b, batch, counts, states)
-        if cfg.chunk_router == "cosine":
+        if keys is not None:
             ends = torch.tensor(batch.ends, device=h.device) - 1
             states.last_key[batch.rows] = keys[ends]
-        self._report(groups, batch, states)
+        self._cache.report(groups, batch, states)
         return z_tok
 
     def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
@@ -335,60 +361,3 @@ class ConceptMoEForCausalLM(nn.Module):
             blocks = self.concept_attn[0].kv_cache.shape[0]
             self._states = RequestStates.empty(blocks, h.shape[1], h.dtype, h.device)
         return self._states
-
-    def _install_concept_metadata(self, md: dict, groups, batch: Batch, counts: list[int],
-                                  firsts: list[int], c_pos: torch.Tensor) -> None:
-        """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
-        reads it: the requests with new concepts, queries = their new concepts, context = all
-        their concepts, slots = the concept positions in the group's blocks."""
-        ctx = get_forward_context()
-        live = [r for r, k in enumerate(counts) if k]
-        dev = c_pos.device
-        qsl = torch.tensor([0] + [counts[r] for r in live], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        seq = torch.tensor([firsts[r] + counts[r] for r in live], dtype=torch.int32)
-        req = torch.repeat_interleave(torch.tensor(live, device=dev), torch.tensor([counts[r] for r in live],
-                                                                                  device=dev))  # (M,)
-        for names, table in groups:
-            kbs = self.concept_attn[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
-            bt = table[torch.tensor(live, device=table.device)]
-            slots = table[req, c_pos // kbs].long() * kbs + c_pos % kbs  # (M,)
-            common = CommonAttentionMetadata(
-                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=len(live),
-                num_actual_tokens=int(c_pos.numel()), max_query_len=max(counts), max_seq_len=int(seq.max()),
-                block_table_tensor=bt, slot_mapping=slots, causal=True)
-            cmd = self._metadata_builder().build(0, common)
-            for name in names:
-                ctx.attn_metadata[name] = cmd
-                ctx.slot_mapping[name] = slots
-
-    def _metadata_builder(self):
-        if self._builder is None:
-            layer = self.concept_attn[0]
-            spec = layer.get_kv_cache_spec(self.vllm_config)
-            names = [a.layer_name for a in self.concept_attn]
-            device = layer.kv_cache.device
-            self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
-        return self._builder
-
-    def _report(self, groups, batch: Batch, states: RequestStates) -> None:
-        """(tokens, concepts) of every request, for the concept groups' managers (``kv.py``)."""
-        table = self._feedback_table()
-        if table is None:
-            return
-        kbs = self.concept_attn[0].kv_cache.shape[2]
-        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
-        concepts = states.concepts[batch.rows].cpu().numpy()
-        tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
-        for _, bt in groups:
-            keys = bt[:len(batch.rows), 0].cpu().numpy() // per_block
-            table.write_many(keys, tokens, concepts)
-
-    def _feedback_table(self) -> FeedbackTable | None:
-        if self._feedback is None and not self._feedback_failed:
-            backend = self.vllm_config.parallel_config.distributed_executor_backend
-            engine = os.getppid() if backend == "mp" else os.getpid()
-            try:
-                self._feedback = FeedbackTable(engine, self.concept_attn[0].kv_cache.shape[0])
-            except OSError:
-                self._feedback_failed = True
-        return self._feedback

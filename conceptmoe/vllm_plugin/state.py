@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.scan import ema_scan
 
 
 @dataclass
@@ -101,18 +100,24 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
             batch: Batch, counts: list[int], states: RequestStates) -> None:
     """z_j = p_j src_j + (1 - p_j) z_{j-1} over each request's concepts, from its kept z; every
     token gets the z of its latest concept (its request's kept z before the first). Writes z_tok
-    (N, D) in place and advances each request's state."""
+    (N, D) in place and advances each request's state.
+
+    The recurrence runs concept by concept, all requests at once, as ``inference/steps.py`` runs
+    it token by token: a decode step (at most one new concept per request) is one update, and a
+    request's z does not depend on what else is in the batch (a scan over the batch's widest
+    request would round differently with the width)."""
     dev = z_tok.device
     R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
     rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
     k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
     crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
     slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
-    cs = z_tok.new_zeros(R, width, D)
-    ps = torch.zeros(R, width, device=dev)
-    cs[:, 0], ps[:, 0] = states.z[rows], 1.0
-    cs[crid, slot], ps[crid, slot] = src.to(cs.dtype), c_p.float()
-    zs = ema_scan(ps, cs)  # (R, 1 + max new concepts, D)
+    zs = z_tok.new_zeros(R, width, D)
+    ps = z_tok.new_zeros(R, width, 1)
+    zs[:, 0] = states.z[rows]
+    zs[crid, slot], ps[crid, slot, 0] = src.to(zs.dtype), c_p.to(zs.dtype)
+    for j in range(1, width):  # slot j: the request's j-th new concept (p = 0 past its last: z kept)
+        zs[:, j] = ps[:, j] * zs[:, j] + (1 - ps[:, j]) * zs[:, j - 1]
     rid = _request_of_token(batch, dev)  # (N,)
     seen = b.long().cumsum(0)  # boundaries up to each token, over the batch
     starts = torch.tensor(batch.starts, device=dev, dtype=torch.long)
