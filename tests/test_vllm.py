@@ -145,10 +145,13 @@ def test_vllm_counts_the_concept_cache(cm, moe):
     # requests a binding budget runs at once is the benchmark's to measure (bench serve --engine vllm).
 
 
-def test_elastic_run_in_vllm_is_exact(runs):
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_elastic_run_in_vllm_is_exact(runs, eager):
     from conceptmoe.interop import export_hf
 
-    folder = export_hf(runs / "elastic", runs / "elastic-R3", concept_ratio=3.0)
+    folder = runs / "elastic-R3"
+    if not (folder / "config.json").is_file():
+        export_hf(runs / "elastic", folder, concept_ratio=3.0)
     model, *_ = load_run(runs / "elastic", "cpu")
     model.eval()
     want = [model.generate(torch.tensor([p]), NEW, temperature=0, ratio=3.0)[0, len(p):].tolist()
@@ -158,9 +161,9 @@ def test_elastic_run_in_vllm_is_exact(runs):
     want_mixed = [model.generate(torch.tensor([p]), NEW, temperature=0, ratio=r or 3.0)[0, len(p):].tolist()
                   for p, r in zip(prompts(), mixed)]
     assert want_mixed != want  # the ratio changes the output: the test can tell them apart
-    # Eager (--enforce-eager): the MoE and ConceptMoE servers above run compiled, so both paths are checked.
-    with vllm_server(folder, runs / "elastic.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
-                     "--vllm-args", VLLM_ARGS + " --enforce-eager") as url:
+    # Eager (--enforce-eager, the path on CUDA) and compiled: the ratio terms enter the compiled router.
+    with vllm_server(folder, runs / f"elastic-{eager}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
+                     "--vllm-args", VLLM_ARGS + (" --enforce-eager" if eager else "")) as url:
         assert complete(url, prompts(), NEW) == want
         xargs = [{"vllm_xargs": {"concept_ratio": r}} if r else {} for r in mixed]
         assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed

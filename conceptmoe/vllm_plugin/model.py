@@ -25,10 +25,11 @@ starting over (new, or recomputed after preemption: its first position is 0) res
 is a few vectors per request, next to the KV blocks each request holds.
 
 The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
-``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1, 3's
-concept blocks and 5 are three functions compiled with inductor, dynamic in their row count (vLLM
-on CPU traces its own models once the same way); the concept step between them (routing,
-gathering, dechunking: data-dependent shapes) stays eager. On CUDA only eager is allowed (untested).
+``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1 and 2,
+3's concept blocks, and 5 are three functions compiled with inductor, dynamic in their row count
+(vLLM on CPU traces its own models once the same way); the concept step between them (gathering,
+metadata, dechunking: data-dependent shapes) stays eager. On CUDA only eager is allowed (untested).
+The blocks run on vLLM's kernels (``dense.py``): fused projections, fused MoE, paged attention.
 
 Shape legend: N tokens in the flat batch, M new concepts in it, R requests, D d_model,
 H query heads, G key/value heads, Dh head dim.
@@ -36,6 +37,7 @@ H query heads, G key/value heads, Dh head dim.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import torch
@@ -124,6 +126,7 @@ class ConceptMoEForCausalLM(nn.Module):
         self._inductor = dict(vllm_config.compilation_config.inductor_compile_config)
         self._states: RequestStates | None = None
         self._cache = ConceptCache(vllm_config, self.concept_attn)
+        self._released: dict[str, torch.Size] = {}  # our weights freed once copied into vLLM's layers
 
     def _blocks(self) -> list[Block]:
         m = self.model
@@ -177,8 +180,11 @@ class ConceptMoEForCausalLM(nn.Module):
         for name, w in weights:
             if name not in state:
                 raise ValueError(f"unexpected weight {name!r} in a conceptmoe checkpoint")
+            t = state[name]
+            if name in self._released:  # loaded again: its room back first
+                t.data = t.new_empty(self._released.pop(name))
             with torch.no_grad():
-                state[name].data.copy_(w.to(state[name].dtype))
+                t.data.copy_(w.to(t.dtype))
             seen.add(name)
         missing = sorted(set(state) - seen - {"model.lm_head.weight"} if self.cfg.tie_embeddings
                          else set(state) - seen)
@@ -189,7 +195,18 @@ class ConceptMoEForCausalLM(nn.Module):
             for blk, lin in zip(self._blocks(), self.dense):
                 lin.load_from(blk)
             self.head.weight.copy_(self.model.lm_head.weight)
+        self._release(state)
         return {name for name, _ in self.named_parameters()}
+
+    def _release(self, state: dict) -> None:
+        """Free our copies of what now lives in vLLM's layers (the experts, the dense projections,
+        an untied head): the model holds its weights once, not twice."""
+        copied = re.compile(r"\.moe\.w_(gate|up|down)$|\.attn\.[wj][qkvo]\.weight$"
+                            r"|\.moe\.shared\.(gate|up|down)\.weight$")
+        for name, t in state.items():
+            if copied.search(name) or (name == "model.lm_head.weight" and not self.cfg.tie_embeddings):
+                self._released[name] = t.shape
+                t.data = t.new_empty(0)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
@@ -217,8 +234,8 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def _stage(self, name: str):
         """A stage as a function: compiled with inductor (dynamic in its row count) when vLLM
-        compiles, else the method itself. Only the concept step between the stages (routing,
-        gathering, dechunking: data-dependent shapes) stays eager. A dynamic size of 1 gets a graph
+        compiles, else the method itself. Only the concept step between the stages (gathering,
+        metadata, dechunking: data-dependent shapes) stays eager. A dynamic size of 1 gets a graph
         of its own (torch specializes 0 and 1), so the warm-up runs each stage on one row too: no
         stage compiles while requests wait."""
         fn = getattr(self, f"_{name}")
