@@ -44,10 +44,14 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (the Hugging Face / Llama convention). x: (B, H, T, Dh); cos: (B|1, T, Dh)."""
+    return rotate(x, cos[:, None], sin[:, None])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, with cos and sin (..., Dh) already shaped to broadcast against x."""
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # bf16 q, k stay bf16 under autocast
-    return x * cos + rot * sin
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)  # bf16 q, k stay bf16 under autocast
 
 
 # CPU training in bf16: up to this many keys SDPA's bf16 backward is slower than the fp32 one

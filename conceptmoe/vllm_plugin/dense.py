@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.model_executor.layers.linear import ReplicatedLinear
 
+from ..model.attention import rotate
 from ..model.lm import Block
 
 
@@ -38,7 +39,7 @@ class BlockLinears(nn.Module):
     def __init__(self, blk: Block, prefix: str) -> None:
         super().__init__()
         a, shared = blk.attn, blk.moe.shared
-        self.joint, self.qk_norm, self.heads, self.kv_heads, self.hd = a.joint, a.qk_norm, a.n_heads, a.n_kv, a.hd
+        self.joint, self.qk_norm, self.heads, self.kv_heads = a.joint, a.qk_norm, a.n_heads, a.n_kv
         d, qd, kvd = a.wq.in_features, a.wq.out_features, a.wk.out_features
         self.split = [qd, kvd, kvd]
         self.qkv = _linear(d, qd + 2 * kvd, a.wq.bias is not None, f"{prefix}.qkv")
@@ -68,12 +69,9 @@ class BlockLinears(nn.Module):
 
 
 def _rope(t: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (``model/attention.apply_rope``'s arithmetic) on token-major t (N, heads · Dh)."""
+    """RoPE (``model/attention.rotate``) on token-major t (N, heads · Dh), cos and sin (N, Dh)."""
     n = t.shape[0]
-    t = t.view(n, heads, -1)
-    half = t.shape[-1] // 2
-    rot = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
-    return (t * cos[:, None].to(t.dtype) + rot * sin[:, None].to(t.dtype)).reshape(n, -1)
+    return rotate(t.view(n, heads, -1), cos[:, None], sin[:, None]).reshape(n, -1)
 
 
 def run_block(blk: Block, lin: BlockLinears, attn, experts, x: torch.Tensor, cos: torch.Tensor,

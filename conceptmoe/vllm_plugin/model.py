@@ -302,7 +302,6 @@ class ConceptMoEForCausalLM(nn.Module):
             return None
         return self.model.ratio_terms(self._row_ratios(batch), len(batch.starts), device, self.extrapolate)
 
-
     def _step(self, md: dict, x: torch.Tensor) -> _Step:
         """This step's requests, their state (reset for a request starting over: new, or recomputed
         after preemption) and, for an elastic model, their ratio terms."""
