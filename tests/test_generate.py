@@ -140,6 +140,16 @@ def test_sample_filters():
         sample(logits, 1.0, top_p=1.5)
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-300, 1e-40, 1e-8])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    # 1e-46 and smaller are 0 in fp32: every token once reached the cut and softmax gave NaN
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 4  # (B, V)
+    g = torch.Generator().manual_seed(0)
+    for temperature in (1.0, 0.5):
+        assert sample(logits, temperature, top_p=top_p, generator=g).tolist() == logits.argmax(-1).tolist()
+        assert sample(logits, temperature, top_k=5, top_p=top_p, generator=g).tolist() == logits.argmax(-1).tolist()
+
+
 def test_attention_mask_validation():
     ids = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="contiguous"):

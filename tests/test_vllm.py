@@ -77,13 +77,15 @@ def grow(url: str) -> list[list[int]]:
     return complete_together(url, grow_prompts(), GROW)
 
 
-def serve_and_check(runs, name: str, *cli: str) -> dict:
+def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_args: str = VLLM_ARGS,
+                    env: dict | None = None) -> dict:
     """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures."""
     run = runs / name
+    label = label or name
     want = reference(run, prompts(), NEW)
     want_grow = reference(run, grow_prompts(), GROW)
-    with vllm_server(run, runs / f"{name}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
-                     "--vllm-args", VLLM_ARGS, *cli) as url:
+    with vllm_server(run, runs / f"{label}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
+                     "--vllm-args", vllm_args, *cli, env=env) as url:
         got = complete(url, prompts(), NEW)
         grown = grow(url)
         again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
@@ -97,7 +99,8 @@ def serve_and_check(runs, name: str, *cli: str) -> dict:
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
                    "want_grow": want_grow, "seeded": seeded,
                    "preemptions": metric(url, "vllm:num_preemptions_total")}
-    log = (runs / f"{name}.log").read_text()
+    log = (runs / f"{label}.log").read_text()
+    figures["recomputed"] = len(re.findall(r"made more concepts than its estimate", log))
     figures["kv_tokens"] = int(re.search(r"KV cache size: ([0-9,]+) tokens", log).group(1).replace(",", ""))
     return figures
 
@@ -110,6 +113,15 @@ def moe(runs):
 @pytest.fixture(scope="module")
 def cm(runs):
     return serve_and_check(runs, "cm")
+
+
+@pytest.fixture(scope="module")
+def cm_estimated(runs):
+    """The ConceptMoE with 64-token steps (prefill chunks the estimate applies to) and an estimate
+    with no margin (CONCEPTMOE_VLLM_ESTIMATE): steps outrun their estimate and are recomputed."""
+    return serve_and_check(runs, "cm", label="cm-estimated", vllm_args=VLLM_ARGS.replace("batched-tokens 16",
+                                                                                       "batched-tokens 64"),
+                           env={"CONCEPTMOE_VLLM_ESTIMATE": "0.8,0"})
 
 
 def test_moe_export_in_vllm_is_exact(moe, runs):
@@ -125,6 +137,15 @@ def test_conceptmoe_in_vllm_is_exact_with_chunked_prefill_and_preemption(cm):
     assert cm["again"] == cm["want"][:3]
     assert cm["grown"] == cm["want_grow"]
     assert cm["preemptions"] > 0  # the budget binds: requests were preempted and recomputed
+
+
+def test_conceptmoe_is_exact_when_its_estimate_falls_short(cm_estimated):
+    """Concept slots from an estimate too small: the model writes nothing past the grant, the
+    scheduler drops the step's output and recomputes the request at the safe bound; tokens exact."""
+    assert cm_estimated["recomputed"] > 0
+    assert cm_estimated["got"] == cm_estimated["want"]
+    assert cm_estimated["again"] == cm_estimated["want"][:3]
+    assert cm_estimated["grown"] == cm_estimated["want_grow"]
 
 
 def test_concept_ratio_is_refused_where_it_cannot_be_served(cm, moe):

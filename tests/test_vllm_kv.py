@@ -1,12 +1,16 @@
-"""Issue 51, without a server: the concept layers' KV-cache manager in vLLM's scheduler; the per-request ratio.
+"""Issues 51, 59, 60, without a server: the concept layers' KV-cache manager in vLLM's scheduler,
+the scheduler-worker table, the model's bounds check; the per-request ratio; the launcher.
 
-A request's concept group holds C + (T' - T) slots for T' tokens once the worker has reported
-(T tokens processed, C concepts), T' before any report; the report is keyed by the request's first
-concept block and cleared when the request's blocks are freed (the block may go to another request).
+A request's concept group holds, for T' tokens, C + (T' - T) slots once the worker has reported
+(T tokens processed, C concepts) at the safe bound, or C + the new tokens at the request's rate with
+a margin under the plugin's scheduler (estimates); every allocation grants the request its capacity
+under an epoch, every report carries the epoch it was made under, so a report of another life of
+the block (an earlier owner, a request before its preemption) is never used, nor a torn one.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,16 +20,19 @@ need_vllm()
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-from conceptmoe.vllm_plugin import kv  # noqa: E402
-from conceptmoe.vllm_plugin.kv import ConceptAttentionManager, ConceptAttentionSpec, FeedbackTable, concept_slots  # noqa: E402
+from conceptmoe.vllm_plugin import feedback  # noqa: E402
+from conceptmoe.vllm_plugin.feedback import (BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackError,  # noqa: E402
+                                             FeedbackTable)
+from conceptmoe.vllm_plugin.kv import (ConceptAttentionManager, ConceptAttentionSpec, ConceptCache,  # noqa: E402
+                                       concept_slots, estimated_slots)
 
 BLOCK = 32
 
 
 @pytest.fixture
 def manager(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv, "FEEDBACK_DIR", tmp_path)
-    monkeypatch.setattr(kv, "_TABLES", {})
+    monkeypatch.setattr(feedback, "FEEDBACK_DIR", tmp_path)
+    monkeypatch.setattr(feedback, "_TABLES", {})
     spec = ConceptAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, compression=2.0)
     pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
     return ConceptAttentionManager(spec, pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK)
@@ -34,6 +41,12 @@ def manager(tmp_path, monkeypatch):
 def to_allocate(m: ConceptAttentionManager, rid: str, tokens: int, computed: int) -> int:
     return m.get_num_blocks_to_allocate(rid, tokens, new_computed_blocks=[], total_computed_tokens=computed,
                                         num_local_computed_tokens=computed, num_tokens_main_model=tokens)
+
+
+def report(m: ConceptAttentionManager, rid: str, tokens: int, concepts: int, flag: int = 0, epoch=None) -> None:
+    """What the worker writes after a step, under the request's grant."""
+    key = m.req_to_blocks[rid][0].block_id
+    m._table.report_many(np.array([key]), [m.epochs[rid] if epoch is None else epoch], [tokens], [concepts], [flag])
 
 
 def test_concept_slots():
@@ -45,37 +58,116 @@ def test_concept_slots():
     assert concept_slots(100, (10, 11)) == 100  # more concepts than tokens: not a report of ours
 
 
-def test_manager_counts_blocks_in_concepts(manager):
+def test_estimated_slots():
+    assert estimated_slots(2048, None, 0.5, 1.25, 16) == 1280 + 16  # a whole prompt at R = 2, with the margin
+    assert estimated_slots(1, (100, 50), 0.5, 1.25, 16) == 1  # never past the safe bound: a decode step is exact
+    assert estimated_slots(101, (100, 50), 0.5, 1.25, 16) == 51
+    assert estimated_slots(1100, (1000, 800), 0.5, 1.0, 0) == 800 + 80  # its own rate (0.8) once it shows one
+    assert estimated_slots(40, None, 0.5, 1.25, 16) == 40  # short chunks: the bound
+
+
+def test_manager_counts_blocks_in_concepts_at_the_safe_bound(manager):
     first = manager.allocate_new_blocks("r", 16, 16)
     assert len(first) == 1  # admitted before any report: as many slots as tokens
     assert to_allocate(manager, "r", 200, 16) == 7 - 1  # still no report: 200 token slots, 7 blocks
-    manager._table.write(first[0].block_id, 16, 5)  # the worker: 16 tokens made 5 concepts
+    report(manager, "r", 16, 5)  # the worker: 16 tokens made 5 concepts
     # 5 + (200 - 16) = 189 slots: 6 blocks, one held
     assert to_allocate(manager, "r", 200, 16) == 5
     assert len(manager.allocate_new_blocks("r", 200, 200)) == 5
     assert len(manager.req_to_blocks["r"]) == 6
+    epoch, capacity, mode = manager._table.grants(np.array([first[0].block_id]))[0]
+    assert (epoch, capacity, mode) == (manager.epochs["r"], 6 * BLOCK, 0)  # granted: bound, not estimated
     free_before = manager.block_pool.get_num_free_blocks()
     manager.free("r")
     assert manager.block_pool.get_num_free_blocks() == free_before + 6
-    assert manager._table.read(first[0].block_id) == (0, 0)  # the report goes with the blocks
+    assert manager._table.grants(np.array([first[0].block_id]))[0].tolist() == [0, 0, 0]  # gone with the blocks
 
 
-def test_a_stale_report_does_not_shrink_a_new_request(manager):
+def test_estimates_hold_a_prompt_at_concept_rate(manager):
+    manager.estimates = True
+    manager.rates["r"] = 0.5
+    assert to_allocate(manager, "r", 2048, 0) == 41  # 1296 slots, not 2048: admission at concept rate
+    manager.allocate_new_blocks("r", 2048, 2048)
+    key = manager.req_to_blocks["r"][0].block_id
+    epoch, capacity, mode = manager._table.grants(np.array([key]))[0]
+    assert capacity == 41 * BLOCK and mode == ESTIMATED | HANDLED
+    report(manager, "r", 2048, 1010)
+    assert to_allocate(manager, "r", 2049, 2048) == 0  # one decode token: the bound, within what it holds
+    manager.safe.add("r")  # after an overflow: the safe bound from then on
+    assert to_allocate(manager, "r", 4096, 2048) == 96 - 41
+
+
+def test_a_report_of_another_life_is_not_used(manager):
     first = manager.allocate_new_blocks("a", 16, 16)
-    manager._table.write(first[0].block_id, 16, 2)
+    stale = manager.epochs["a"]
+    report(manager, "a", 16, 2)
     manager.free("a")
     again = manager.allocate_new_blocks("b", 16, 16)
-    assert manager._table.read(again[0].block_id) == (0, 0)
+    key = again[0].block_id
+    # a report of a's (late, under its epoch) lands on b's block: b does not read it
+    manager._table.report_many(np.array([key]), [stale], [16], [2], [0])
+    assert manager.epochs["b"] != stale
     assert to_allocate(manager, "b", 100, 16) == 4 - 1
+    assert manager.flag("b") == 0
+
+
+def test_a_torn_report_is_not_used(manager):
+    manager.allocate_new_blocks("r", 16, 16)
+    report(manager, "r", 16, 2)
+    assert to_allocate(manager, "r", 100, 16) == 3 - 1  # 2 + 84 = 86 slots: 3 blocks
+    key = manager.req_to_blocks["r"][0].block_id
+    manager._table.table[key, 4] += 1  # a write under way (odd sequence number)
+    assert to_allocate(manager, "r", 100, 16) == 4 - 1  # as without a report
+    manager._table.table[key, 4] += 1
+    assert to_allocate(manager, "r", 100, 16) == 3 - 1
 
 
 def test_the_table_is_shared_by_pid_and_zeroed_by_the_scheduler(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv, "FEEDBACK_DIR", tmp_path)
+    monkeypatch.setattr(feedback, "FEEDBACK_DIR", tmp_path)
     scheduler = FeedbackTable(1234, 8, fresh=True)
     worker = FeedbackTable(1234, 8)
-    worker.write(3, 40, 17)
-    assert scheduler.read(3) == (40, 17)
-    assert FeedbackTable(1234, 8, fresh=True).read(3) == (0, 0)  # a new scheduler with the same pid
+    worker.report_many(np.array([3]), [7], [40], [17], [0])
+    assert scheduler.report(3, 7) == (40, 17, 0)
+    assert scheduler.report(3, 8) is None  # another epoch's
+    assert FeedbackTable(1234, 8, fresh=True).report(3, 7) is None  # a new scheduler with the same pid
+
+
+def test_a_table_that_cannot_be_opened_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(feedback, "FEEDBACK_DIR", tmp_path / "missing" / "dir")
+    monkeypatch.setattr(feedback, "_TABLES", {})
+    spec = ConceptAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, compression=2.0)
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=False, hash_block_size=BLOCK)
+    with pytest.raises(FeedbackError, match="CONCEPTMOE_VLLM_FEEDBACK_DIR"):
+        ConceptAttentionManager(spec, pool, enable_caching=False, kv_cache_group_id=0, scheduler_block_size=BLOCK)
+
+
+def test_the_model_writes_no_concept_past_its_grant():
+    """admit: every request's concepts against each group's grant (epoch, capacity, mode)."""
+    cache = ConceptCache(None, [])
+    firsts, counts = [10, 60, 0, 5], [3, 10, 2, 0]
+    grants = [np.array([[1, 32, ESTIMATED | HANDLED], [2, 64, ESTIMATED | HANDLED], [3, 32, HANDLED],
+                        [4, 0, HANDLED]])]
+    assert cache.admit(grants, firsts, counts).tolist() == [0, OVERFLOW, 0, 0]  # 70 > 64, estimated
+    grants[0][1, 2] = HANDLED  # the same, under a bound grant: a bug, the request is ended
+    assert cache.admit(grants, firsts, counts).tolist() == [0, BROKEN, 0, 0]
+    grants[0][2, 0] = 0  # no grant for a request with concepts: nothing to write into
+    assert cache.admit(grants, firsts, counts).tolist() == [0, BROKEN, BROKEN, 0]
+    grants[0][:, 2] &= ~HANDLED  # no scheduler acts on flags: vLLM stops rather than serve it
+    with pytest.raises(RuntimeError, match="refusing to write outside its blocks"):
+        cache.admit(grants, firsts, counts)
+
+
+def test_a_flagged_requests_concepts_are_dropped():
+    from conceptmoe.vllm_plugin.state import Batch, drop_requests
+
+    batch = Batch(starts=[0, 4, 9], ends=[4, 9, 12], done=[0, 0, 0], rows=[0, 1, 2])
+    b = torch.tensor([1, 0, 1, 0, 1, 1, 0, 0, 1, 0, 1, 1], dtype=torch.bool)
+    counts = [2, 3, 2]
+    c_raw = torch.arange(7.0)[:, None]
+    c_pos, c_p = torch.arange(7), torch.full((7,), 0.9)
+    raw, pos, p, counts2, b2 = drop_requests([1], c_raw, c_pos, c_p, counts, b, batch)
+    assert raw.flatten().tolist() == [0, 1, 5, 6] and pos.tolist() == [0, 1, 5, 6]
+    assert counts2 == [2, 0, 2] and not b2[4:9].any() and b2[:4].equal(b[:4]) and b2[9:].equal(b[9:])
 
 
 def test_concept_ratio_follows_its_request_through_the_batch():
@@ -111,19 +203,30 @@ def test_concept_ratio_checks(tmp_path):
     assert "ConceptMoE runs only" in check_request_ratio(3.0, str(tmp_path))
 
 
-def test_launcher_bounds_a_conceptmoe_prefill_chunk_and_compiles(tmp_path):
-    """A ConceptMoE gets CONCEPT_PREFILL_CHUNK unless --vllm-args sets a threshold; a MoE gets none;
-    neither is forced eager any more (--enforce-eager only when asked)."""
-    from conceptmoe.vllm_plugin.launch import CONCEPT_PREFILL_CHUNK, VllmServeConfig, server_command
+def test_launcher_flags(tmp_path):
+    """A ConceptMoE gets the plugin's scheduler (large prefill chunks: no threshold any more) unless
+    --vllm-args names one; a MoE gets vLLM's; neither is forced eager on CPU; the KV size is always
+    passed as bytes; on CUDA a ConceptMoE gets the flags it needs."""
+    from conceptmoe.vllm_plugin import SCHEDULER
+    from conceptmoe.vllm_plugin.launch import VllmServeConfig, choose_kv_bytes, server_command
 
-    def argv(concept: bool, *extra: str) -> list[str]:
-        return server_command(VllmServeConfig("r", extra=list(extra)), tmp_path, concept)[0]
+    def argv(concept: bool, *extra: str, **kw) -> list[str]:
+        return server_command(VllmServeConfig("r", extra=list(extra), **kw), tmp_path, concept)[0]
 
-    def threshold(a: list[str]) -> list[str]:
-        return [a[i + 1] for i, x in enumerate(a) if x == "--long-prefill-token-threshold"]
+    def value(a: list[str], flag: str) -> list[str]:
+        return [a[i + 1] for i, x in enumerate(a) if x == flag]
 
-    assert threshold(argv(True)) == [str(CONCEPT_PREFILL_CHUNK)]
-    assert threshold(argv(True, "--long-prefill-token-threshold", "256")) == ["256"]
-    assert threshold(argv(False)) == []
+    assert value(argv(True), "--scheduler-cls") == [SCHEDULER]
+    assert value(argv(True, "--scheduler-cls", "x.y:Z"), "--scheduler-cls") == ["x.y:Z"]
+    assert value(argv(False), "--scheduler-cls") == []
+    assert "--long-prefill-token-threshold" not in argv(True) + argv(False)
     assert "--enforce-eager" not in argv(True) + argv(False)
     assert "--enforce-eager" in argv(True, "--enforce-eager")
+    assert value(argv(True, kv_cache_mb=64), "--kv-cache-memory-bytes") == [str(64 * 2 ** 20)]
+    assert len(value(argv(True), "--kv-cache-memory-bytes")) == 1  # chosen here, never vLLM's 92% rule
+    cuda, env = server_command(VllmServeConfig("r", device="cuda"), tmp_path, True)
+    assert "--no-async-scheduling" in cuda and "--enforce-eager" in cuda and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    gib = 2 ** 30
+    assert choose_kv_bytes(20 * gib, gib) == (17 * gib) // 4
+    assert choose_kv_bytes(gib, gib) == 256 * 2 ** 20  # little to give: the built-in server's 256 MiB
+    assert choose_kv_bytes(1000 * gib, gib) == 16 * gib

@@ -35,10 +35,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400):
-    """Yields the base URL of ``conceptmoe serve RUN --engine vllm ...``; stops it afterwards."""
+def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400, env: dict | None = None):
+    """Yields the base URL of ``conceptmoe serve RUN --engine vllm ...``; stops it afterwards.
+    ``env``: more environment for the server."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", "serve", str(run), "--engine", "vllm",
                                  "--port", str(port), *cli], stdout=out, stderr=subprocess.STDOUT, env=env,

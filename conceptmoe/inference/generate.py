@@ -58,6 +58,8 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix reaching top_p
+        # the most likely token always stays (vLLM's rule): a tiny top_p (1e-46 is 0 in fp32) is greedy
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)

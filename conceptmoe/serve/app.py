@@ -1,10 +1,11 @@
 """The HTTP side of ``conceptmoe serve``: OpenAI's completions API on FastAPI (CONCEPTMOE.md §4).
 
 Routes: ``POST /v1/completions`` (plain JSON or server-sent events ending in ``data: [DONE]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /`` (the
-playground, one static page). Each choice of a completion (``n`` per prompt, one or more prompts)
-becomes an engine ``Request``; the engine's events cross from its thread into one
-``asyncio.Queue`` per completion and become text and log-probabilities (``choice.py``). A client
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (the
+playground, one static page) and ``GET /openapi.json`` (the request's schema: ``openapi.py``).
+Each choice of a completion (``n`` per prompt, one or more prompts) becomes an engine
+``Request``; the engine's events cross from its thread into one ``asyncio.Queue`` per
+completion and become text and log-probabilities (``choice.py``). A client
 that goes away (a closed stream, or a plain request whose connection drops, checked at every
 token) cancels its requests, so their rows leave the batch and free their KV blocks at the next
 step. A choice the engine fails on ends the completion with OpenAI's error JSON (500, or an
@@ -32,6 +33,7 @@ from .choice import Choice
 from .engine import Engine, Refused
 from .engine import Request as EngineRequest
 from .metrics import Metrics
+from .openapi import completions_openapi
 from .protocol import ApiError, CompletionParams, Limits, error_body, parse_completion
 
 POLL = 0.25  # seconds between disconnect checks of a plain (non-streamed) request while no token arrives
@@ -92,13 +94,18 @@ def create_app(engine: Engine, tok, limits: Limits, metrics: Metrics) -> FastAPI
     async def playground():
         return HTMLResponse(resources.files(__package__).joinpath("playground.html").read_text(encoding="utf-8"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completions_openapi(limits))
     async def completions(request: Request):
         try:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({e})")
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply to parse") from None
         p = parse_completion(body, limits)
+        if len(p.prompts) * p.n > engine.max_waiting:  # it would be refused as busy, and busy forever
+            raise ApiError(400, f"{len(p.prompts)} prompts x n={p.n} choices are more than the server ever "
+                                f"queues at once ({engine.max_waiting}, --max-waiting)", "n")
         prompts = [tok.encode(x).ids if isinstance(x, str) else list(x) for x in p.prompts]
         if not all(prompts):
             raise ApiError(400, "'prompt' encodes to no tokens", "prompt")

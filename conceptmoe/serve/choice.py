@@ -8,14 +8,16 @@ or a stop string met in the text: the request is then cancelled in the engine).
 
 ``logprobs`` has OpenAI's legacy completions shape: ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (each a token -> logprob map of the k best plus the chosen token) and
-``text_offset``; with ``echo`` the prompt's tokens come first, the first of them with ``None``
-(it has no context), which is what lm-eval's loglikelihood tasks read.
+``text_offset`` (where each token starts in the returned text, in characters: the tokens of
+one multi-byte character all start where it does); with ``echo`` the prompt's tokens come
+first, the first of them with ``None`` (it has no context), which is what lm-eval's
+loglikelihood tasks read.
 """
 
 from __future__ import annotations
 
 from .request import Event, Request
-from .text import TextTracker
+from .text import TextTracker, char_offsets
 
 
 class Choice:
@@ -25,8 +27,7 @@ class Choice:
         self.tracker = TextTracker(tok, stops, req.min_tokens)
         self.prompt_text = prompt_text  # sent before the completion when echo is asked
         self.want_logprobs = logprobs
-        self.entries: list[tuple[int, float | None, list | None]] = []  # (token, logprob, top)
-        self.chars = 0  # text_offset of the next logprobs entry
+        self.entries: list[tuple[int, float | None, list | None, int]] = []  # (token, logprob, top, text_offset)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.echoed = False
@@ -38,12 +39,11 @@ class Choice:
 
     def _lp_obj(self, entries: list) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, lp, top in entries:
+        for t, lp, top, offset in entries:
             s = self.tok.decode([t])
             out["tokens"].append(s)
             out["token_logprobs"].append(lp)
-            out["text_offset"].append(self.chars)
-            self.chars += len(s)
+            out["text_offset"].append(offset)
             if top is None:
                 out["top_logprobs"].append(None)
             else:
@@ -71,11 +71,14 @@ class Choice:
             self.finish_reason = ev.finish_reason
         entries = []
         if self.prompt_text is not None and not self.echoed and ev.prompt_logprobs is not None:
-            entries += [(t, None, None) if e is None else (t, e[0], e[1])
-                        for t, e in zip(self.req.prompt, ev.prompt_logprobs)]
+            offsets = char_offsets(self.tok, self.req.prompt)
+            entries += [(t, None, None, o) if e is None else (t, e[0], e[1], o)
+                        for t, e, o in zip(self.req.prompt, ev.prompt_logprobs, offsets)]
+        base = len(self.prompt_text or "")  # completion offsets count from the end of the echoed prompt
         new = ev.tokens[:self.tracker.count - before]
-        for t, e in zip(new, ev.logprobs or [None] * len(new)):
-            entries.append((t, None, None) if e is None else (t, e[0], e[1]))
+        for j, (t, e) in enumerate(zip(new, ev.logprobs or [None] * len(new)), start=before):
+            o = base + self.tracker.offset(j)
+            entries.append((t, None, None, o) if e is None else (t, e[0], e[1], o))
         self.entries += entries
         text = self.tracker.pending(final=self.done)
         if self.prompt_text is not None and not self.echoed:
@@ -85,6 +88,5 @@ class Choice:
     def answer(self) -> dict:
         """The choice of a non-streamed response (every event taken)."""
         text = (self.prompt_text or "") + self.tracker.text
-        self.chars = 0
         lp = self._lp_obj(self.entries) if self.want_logprobs else None
         return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}

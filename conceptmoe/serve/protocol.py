@@ -8,12 +8,15 @@ several prompts): vLLM's sampling extras ``top_k``, ``repetition_penalty``, ``mi
 ``concept_ratio`` (an elastic run's R for this request). Fields that this server does not
 implement (``suffix``, ``min_p``, ...) are accepted only at the value that changes nothing, never
 silently ignored; unknown fields are refused. Values that would overflow the sampling (a
-temperature of 1e-39) are refused.
+temperature of 1e-39) are refused, and so are integers past 64 bits (Python would take a JSON
+integer of 400 digits) and strings holding a lone UTF-16 surrogate (``"\\ud800"`` parses, but it is
+not Unicode text: it can be neither tokenized nor written back as UTF-8).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
@@ -94,6 +97,27 @@ KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed
 MAX_STOPS, MAX_STOP_CHARS = 64, 256  # stop strings per request (lm-eval sends more than OpenAI's 4), and chars each
 MAX_N, MAX_PROMPTS, MAX_LOGPROBS = 16, 64, 20  # choices per prompt, prompts per request, top log-probabilities
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature overflows fp32: refused, as vLLM clamps
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 40, 40, 2, 4, 4
+MAX_INT = 2**63 - 1  # no field means anything past int64; a bigger JSON integer would overflow float() or torch
+
+
+def _lone_surrogate(body) -> tuple[str | None, str] | None:
+    """(the top-level field, the offending string's escape) of the first string in ``body`` (keys
+    included) that holds a lone surrogate, or None. Iterative: any nesting that JSON parsed is walked."""
+    stack = [(None, body)]
+    while stack:
+        field, v = stack.pop()
+        if isinstance(v, dict):
+            stack += [(field, k) for k in v] + [(k if field is None else field, x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(field, x) for x in v]
+        elif isinstance(v, str) and not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return field, v[e.start].encode("unicode_escape").decode("ascii")
+    return None
 
 
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, open_lo=False):
@@ -101,7 +125,10 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, ope
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'} (got {v!r})", name)
+        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'} (got {_short(v)})", name)
+    if isinstance(v, int) and abs(v) > MAX_INT:
+        raise ApiError(400, f"'{name}' is out of range: an integer of {len(str(abs(v)))} digits "
+                            f"(at most {MAX_INT} in magnitude)", name)
     if not math.isfinite(v):
         raise ApiError(400, f"'{name}' must be finite (got {v!r})", name)
     if lo is not None and (v <= lo if open_lo else v < lo):
@@ -109,6 +136,12 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, ope
     if hi is not None and v > hi:
         raise ApiError(400, f"'{name}' must be <= {hi} (got {v!r})", name)
     return v
+
+
+def _short(v) -> str:
+    """``repr(v)`` cut short (strings, lists, nesting), for error messages about what a client sent:
+    a plain ``repr`` of a deeply nested list would recurse as deep as the JSON did."""
+    return _REPR.repr(v)
 
 
 def _ids(p, lim: Limits, name: str) -> list[int] | None:
@@ -180,9 +213,9 @@ def _logit_bias(body: dict, lim: Limits) -> dict[int, float] | None:
         try:
             t = int(k)
         except ValueError:
-            raise ApiError(400, f"'logit_bias': key {k!r} is not a token id", "logit_bias") from None
+            raise ApiError(400, f"'logit_bias': key {_short(k)} is not a token id", "logit_bias") from None
         if not 0 <= t < lim.vocab_size:
-            raise ApiError(400, f"'logit_bias': token id {t} outside the vocabulary [0, {lim.vocab_size})", "logit_bias")
+            raise ApiError(400, f"'logit_bias': token id {_short(t)} outside the vocabulary [0, {lim.vocab_size})", "logit_bias")
         out[t] = float(_number({"logit_bias": v}, "logit_bias", 0, -100, 100))
     return out or None
 
@@ -202,13 +235,20 @@ def _flag(body: dict, name: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise ApiError(400, f"'{name}' must be true or false (got {v!r})", name)
+        raise ApiError(400, f"'{name}' must be true or false (got {_short(v)})", name)
     return v
 
 
 def parse_completion(body, lim: Limits) -> CompletionParams:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    bad = _lone_surrogate(body)
+    if bad:
+        field, esc = bad
+        where = f" of {field!r}" if field else ""
+        raise ApiError(400, f"the request holds a lone surrogate ({esc}) in a string{where}: JSON text must "
+                            f"be Unicode (a surrogate pair, or the character itself)",
+                       field if field in KNOWN else None)
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", unknown[0])
@@ -217,7 +257,7 @@ def parse_completion(body, lim: Limits) -> CompletionParams:
             raise ApiError(400, f"'{name}' is not supported by this server (only {neutral!r})", name)
     model = body.get("model")
     if model is not None and model != lim.model:
-        raise ApiError(404, f"the model '{model}' does not exist here; this server serves '{lim.model}'",
+        raise ApiError(404, f"the model {_short(model)} does not exist here; this server serves '{lim.model}'",
                        "model", code="model_not_found")
     stream, ignore_eos, echo = _flag(body, "stream"), _flag(body, "ignore_eos"), _flag(body, "echo")
     opts = body.get("stream_options")

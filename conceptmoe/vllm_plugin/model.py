@@ -52,8 +52,9 @@ from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
 from .dense import BlockLinears, run_block
 from .kv import ConceptAttention, ConceptCache
+from .refuse import compiles, refuse_backend, refuse_unsupported
 from .ratio import repeat_terms, row_ratios
-from .state import Batch, RequestStates, dechunk, gather_concepts
+from .state import Batch, RequestStates, dechunk, drop_requests, gather_concepts
 
 
 class _Step(NamedTuple):
@@ -65,29 +66,6 @@ class _Step(NamedTuple):
     states: RequestStates
     terms: object  # an elastic model's ratio terms, one row per request (else None)
     n: int  # real tokens in the flat batch
-
-
-def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """One line for each engine setting the concept cache cannot serve yet."""
-    c, par = vllm_config, vllm_config.parallel_config
-    if c.cache_config.enable_prefix_caching:
-        raise ValueError("ConceptMoE in vLLM: prefix caching is not supported (concept blocks depend on where "
-                         "the router cuts); pass --no-enable-prefix-caching")
-    if c.speculative_config is not None:
-        raise ValueError("ConceptMoE in vLLM: speculative decoding is not supported (a rejected draft token "
-                         "may already have made a concept)")
-    if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-        raise ValueError("ConceptMoE in vLLM: tensor and pipeline parallelism are not supported yet")
-    if compiles(c) and c.device_config.device_type == "cuda":
-        raise ValueError("ConceptMoE in vLLM: compiled stages are tested on CPU only; on CUDA pass --enforce-eager")
-
-
-def compiles(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM compiles models here (not ``--enforce-eager``, a compilation mode on)."""
-    from vllm.config import CompilationMode
-
-    return (not vllm_config.model_config.enforce_eager
-            and vllm_config.compilation_config.mode != CompilationMode.NONE)
 
 
 class ConceptMoEForCausalLM(nn.Module):
@@ -112,6 +90,8 @@ class ConceptMoEForCausalLM(nn.Module):
         self.concept_attn = nn.ModuleList(attn(ConceptAttention, f"concept_attn.{i}",
                                                compression=float(self.ratio or cfg.compression_ratio))
                                           for i in range(n_concept))
+        if n_concept:
+            refuse_backend(self.concept_attn[0].attn_backend.get_name())
         # Each block's routed experts on vLLM's fused MoE kernels (our router and shared expert
         # stay ours): the weights are copied in at load_weights.
         blocks = self._blocks()
@@ -338,7 +318,12 @@ class ConceptMoEForCausalLM(nn.Module):
         every token of the batch reads."""
         cfg, md, groups, batch, states = self.cfg, step.md, step.groups, step.batch, step.states
         b = p >= 0.5
+        grants = self._cache.grants(groups, len(batch.rows))
         c_raw, c_pos, c_p, counts, firsts = gather_concepts(h, b, p, batch, states, cfg.concept_pooling == "mean")
+        flags = self._cache.admit(grants, firsts, counts)  # requests whose concepts pass their blocks
+        if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
+            c_raw, c_pos, c_p, counts, b = drop_requests(flags.nonzero()[0].tolist(), c_raw, c_pos, c_p, counts,
+                                                         b, batch)
         z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
             c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
@@ -352,7 +337,7 @@ class ConceptMoEForCausalLM(nn.Module):
         if keys is not None:
             ends = torch.tensor(batch.ends, device=h.device) - 1
             states.last_key[batch.rows] = keys[ends]
-        self._cache.report(groups, batch, states)
+        self._cache.report(groups, grants, batch, states, flags)
         return z_tok
 
     def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:

@@ -125,3 +125,20 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     z_tok[:rid.numel()] = zs[rid, seen - before[rid]]  # the concept each token reads (0: the kept z)
     states.z[rows] = zs[torch.arange(R, device=dev), k]
     states.concepts[rows] += k
+
+
+def drop_requests(flagged: list[int], c_raw: torch.Tensor, c_pos: torch.Tensor, c_p: torch.Tensor,
+                  counts: list[int], b: torch.Tensor, batch: Batch):
+    """The step's concepts without those of the ``flagged`` requests (batch indices), their
+    boundaries cleared too: nothing of theirs reaches the concept cache. (c_raw, c_pos, c_p,
+    counts, b) as ``gather_concepts`` and the router gave them."""
+    dev = c_raw.device
+    keep_req = torch.ones(len(counts), dtype=torch.bool, device=dev)
+    keep_req[flagged] = False
+    crid = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
+    keep = keep_req[crid]  # (M,)
+    b = b.clone()
+    for r in flagged:
+        b[batch.starts[r]:batch.ends[r]] = False
+    counts = [0 if r in set(flagged) else k for r, k in enumerate(counts)]
+    return c_raw[keep], c_pos[keep], c_p[keep], counts, b

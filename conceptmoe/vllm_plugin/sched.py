@@ -1,0 +1,94 @@
+"""vLLM's scheduler with the ConceptMoE's concept cache allocated from an estimate (CONCEPTMOE.md §4;
+``kv.py`` for the managers, ``feedback.py`` for the channel).
+
+Load it with ``--scheduler-cls conceptmoe.vllm_plugin.sched:ConceptScheduler`` (``conceptmoe serve
+--engine vllm`` does). It turns the concept managers' estimates on, tells them each request's R
+(its ``concept_ratio``, else the export's), and after every step reads the model's flags:
+
+- ``OVERFLOW``: the step made more concepts than the estimate granted. Nothing of the request's
+  concepts was written; its output for the step is dropped and it is preempted, so vLLM recomputes
+  it from its first token, this time at the safe bound. Its tokens stay exact.
+- ``BROKEN``: a bound grant was short, which should never happen: the request ends with an error
+  (finish reason ``error``), logged, and nothing else is touched.
+
+Without this scheduler the managers allocate at the safe bound, which is never short.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
+
+from .feedback import BROKEN, OVERFLOW
+from .kv import ConceptAttentionManager
+from .ratio import request_ratio
+
+logger = logging.getLogger(__name__)
+
+
+class ConceptScheduler(Scheduler):
+    """vLLM's scheduler, acting on the ConceptMoE's flags (see the module's docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.concept_managers = [m for m in self.kv_cache_manager.coordinator.single_type_managers
+                                 if isinstance(m, ConceptAttentionManager)]
+        for m in self.concept_managers:
+            m.estimates = True
+        self.recomputed = 0  # requests recomputed after an estimate fell short
+
+    def add_request(self, request) -> None:
+        ratio = request_ratio(request.sampling_params) if request.sampling_params is not None else None
+        for m in self.concept_managers:
+            m.rates[request.request_id] = 1.0 / (ratio or m.kv_cache_spec.compression)
+        super().add_request(request)
+
+    def _flags(self, scheduler_output) -> dict[str, int]:
+        flags = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            f = max((m.flag(req_id) for m in self.concept_managers), default=0)
+            if f:
+                flags[req_id] = f
+        return flags
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        flags = self._flags(scheduler_output) if self.concept_managers else {}
+        sampled = model_runner_output.sampled_token_ids
+        for req_id in flags:  # the step's output of a flagged request is not its own: dropped
+            i = model_runner_output.req_id_to_index.get(req_id)
+            if i is not None and sampled and i < len(sampled):
+                sampled[i] = []
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if not flags:
+            return outputs
+        now = time.monotonic()
+        broken = []
+        for req_id, f in flags.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if f == BROKEN:
+                broken.append(req_id)
+            elif f == OVERFLOW and request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt_request(request, now)
+                for m in self.concept_managers:
+                    m.safe.add(req_id)
+                self.recomputed += 1
+                logger.info("ConceptMoE: request %s made more concepts than its estimate; recomputed at the safe "
+                            "bound (%d so far)", req_id, self.recomputed)
+        for request in self.finish_requests(broken, RequestStatus.FINISHED_ERROR) if broken else []:
+            out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                   finish_reason=request.get_finished_reason(), events=request.take_events(),
+                                   trace_headers=request.trace_headers)
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(out)
+        return outputs
+
+    def _free_request(self, request, *args, **kwargs):
+        for m in self.concept_managers:
+            m.forget(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
