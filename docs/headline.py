@@ -158,9 +158,9 @@ def serving() -> str:
     cores = {r["machine"]["cpu_count"] for r, *_ in recs}
     where = f"{cores.pop()}-core CPU" if len(cores) == 1 else "CPUs of different sizes"
     head = (f"| engine, KV budget (`bench serve`, {where}) | out tok/s MoE | out tok/s ConceptMoE | "
-            "ConceptMoE / MoE | sequences held (built-in: peak; vLLM: mean running) | "
-            "KV bytes per token (built-in) or capacity in tokens (vLLM) | "
-            "source |\n|---|---|---|---|---|---|---|")
+            "ConceptMoE / MoE | sequences held, ConceptMoE vs MoE (built-in: peak; vLLM: mean running in "
+            "the record's median round) | KV bytes per token (built-in) or capacity in tokens (vLLM), ConceptMoE vs "
+            "MoE | source |\n|---|---|---|---|---|---|---|")
     rows = []
     for rec, rel, engine, note in recs:
         moe, cm = (next(r for r in rec["rows"] if r["kind"] == k) for k in ("moe", "conceptmoe"))

@@ -16,48 +16,21 @@ CPU attention takes 32 to 512) with random independent weights (``hf_helpers.con
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from vllm_helpers import complete, complete_together, metric, need_vllm, vllm_server
+from vllm_helpers import complete, need_vllm, vllm_server
 
 need_vllm()
 
 from hf_helpers import concept_run  # noqa: E402
 
 from conceptmoe import load_run  # noqa: E402
-
-SHAPE = dict(d_model=64, n_heads=2, n_kv_heads=2, expert_hidden=32)
-LENGTHS = (1, 3, 7, 12, 20, 33, 40, 5, 57, 17)
-NEW = 24
-# Chunked prefill at 16 tokens a step; 32-token blocks; KV memory for 8 of the MoE's blocks (the 10 requests need 17): binds.
-BUDGET_MB = 0.5
-VLLM_ARGS = "--block-size 32 --max-num-batched-tokens 16 --max-model-len 128 --seed 0"
-
-
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def grow_prompts() -> list[list[int]]:
-    """16 prompts of 8 tokens, to grow by GROW: admitted at one 32-token block each (per group),
-    each grows to 2 token blocks, far more than the budget holds for the 16 running together."""
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 250, (8,), generator=g).tolist() for _ in range(16)]
-
-
-GROW = 56  # 8 + 56 <= max-model-len 128
-
-
-def reference(run, ps: list[list[int]], new: int) -> list[list[int]]:
-    model, *_ = load_run(run, "cpu")
-    model.eval()
-    return [model.generate(torch.tensor([p]), new, temperature=0)[0, len(p):].tolist() for p in ps]
+from vllm_load import (BUDGET_MB, LENGTHS, LONG_ARGS, NEW, SHAPE, VLLM_ARGS, prompts,  # noqa: E402
+                       serve_and_check)
 
 
 @pytest.fixture(scope="module")
@@ -69,45 +42,9 @@ def runs(tmp_path_factory):
     return root
 
 
-def grow(url: str) -> list[list[int]]:
-    """The grow load, its 16 prompts in one request: they reach the engine together, so they run
-    together and outgrow the budget. Sent as 16 concurrent requests instead, they trickled in
-    through the API server (at most 3 waiting, 5 running) and, with fast compiled steps, some rounds
-    never preempted."""
-    return complete_together(url, grow_prompts(), GROW)
-
-
-def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_args: str = VLLM_ARGS,
-                    env: dict | None = None) -> dict:
-    """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures."""
-    run = runs / name
-    label = label or name
-    want = reference(run, prompts(), NEW)
-    want_grow = reference(run, grow_prompts(), GROW)
-    with vllm_server(run, runs / f"{label}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
-                     "--vllm-args", vllm_args, *cli, env=env) as url:
-        got = complete(url, prompts(), NEW)
-        grown = grow(url)
-        again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
-        # Seeded, a short prompt and one of 57 tokens, prefilled in 16-token chunks whose draws are
-        # discarded and rewound (vLLM 0.32's CPU engine failed that; the plugin's seeded.py fixes it),
-        # alone and beside other requests (which moves the chunk boundaries).
-        seeded = [complete(url, [prompts()[i]] * 2 + prompts()[:n], NEW, temperature=1.0, seed=7)[:2]
-                  for i in (1, 8) for n in (0, 3)]
-        refused = httpx.post(url + "/v1/completions", timeout=60, json={
-            "prompt": prompts()[0], "max_tokens": 2, "vllm_xargs": {"concept_ratio": 3.0}})
-        figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
-                   "want_grow": want_grow, "seeded": seeded,
-                   "preemptions": metric(url, "vllm:num_preemptions_total")}
-    log = (runs / f"{label}.log").read_text()
-    figures["recomputed"] = len(re.findall(r"made more concepts than its estimate", log))
-    figures["kv_tokens"] = int(re.search(r"KV cache size: ([0-9,]+) tokens", log).group(1).replace(",", ""))
-    return figures
-
-
 @pytest.fixture(scope="module")
 def moe(runs):
-    return serve_and_check(runs, "moe")
+    return serve_and_check(runs, "moe", vllm_args=LONG_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +55,11 @@ def cm(runs):
 @pytest.fixture(scope="module")
 def cm_estimated(runs):
     """The ConceptMoE with 64-token steps (prefill chunks the estimate applies to) and an estimate
-    with no margin (CONCEPTMOE_VLLM_ESTIMATE): steps outrun their estimate and are recomputed."""
-    return serve_and_check(runs, "cm", label="cm-estimated", vllm_args=VLLM_ARGS.replace("batched-tokens 16",
+    of one new concept a step (CONCEPTMOE_VLLM_ESTIMATE): a prompt that fills its concept blocks
+    outruns it, is recomputed, and must still be exact."""
+    return serve_and_check(runs, "cm", label="cm-estimated", vllm_args=LONG_ARGS.replace("batched-tokens 16",
                                                                                        "batched-tokens 64"),
-                           env={"CONCEPTMOE_VLLM_ESTIMATE": "0.8,0"})
+                           env={"CONCEPTMOE_VLLM_ESTIMATE": "0.01,0"})
 
 
 def test_moe_export_in_vllm_is_exact(moe, runs):
@@ -132,11 +70,19 @@ def test_moe_export_in_vllm_is_exact(moe, runs):
     assert moe["preemptions"] > 0
 
 
+def test_long_contexts_past_training_are_served(moe, cm_estimated):
+    """Positions past the training length: the MoE export's RoPE table and the ConceptMoE's, both
+    exact against model.generate (which extrapolates RoPE the same way)."""
+    for figures in (moe, cm_estimated):
+        assert figures["long"] == figures["want_long"]
+
+
 def test_conceptmoe_in_vllm_is_exact_with_chunked_prefill_and_preemption(cm):
     assert cm["got"] == cm["want"]
     assert cm["again"] == cm["want"][:3]
     assert cm["grown"] == cm["want_grow"]
     assert cm["preemptions"] > 0  # the budget binds: requests were preempted and recomputed
+    assert cm["copies"] == [cm["want"][8]] * 12  # batch invariance
 
 
 def test_conceptmoe_is_exact_when_its_estimate_falls_short(cm_estimated):

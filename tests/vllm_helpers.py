@@ -62,6 +62,41 @@ def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400, env: dict
             proc.wait(10)
 
 
+@contextlib.contextmanager
+def plain_vllm_server(folder: Path, log: Path, *args: str, env: dict | None = None, timeout: float = 400):
+    """Yields the base URL of vLLM's own OpenAI server on a transformers folder (no launcher of ours)."""
+    from conceptmoe.vllm_plugin.launch import cpu_bind
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND=cpu_bind(), **(env or {}))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                                 "--host", "127.0.0.1", "--port", str(port), *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not start (exit {proc.poll()}); log tail:\n"
+                                   + log.read_text()[-3000:])
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+
+
 def metric(url: str, name: str) -> float:
     """One unlabelled (or summed over labels) Prometheus value from vLLM's /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text

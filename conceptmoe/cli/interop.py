@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--extrapolate", action="store_true",
                    help="with --concept-ratio: allow an R outside the trained range (at most 2x beyond it); "
                         "the exported config then accepts such an R per call too")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="max_position_embeddings past the run's training length, for serving longer contexts "
+                        "(RoPE extrapolates; one warning says so; default: the training length)")
     p.add_argument("--force", action="store_true", help="replace what is already in --out")
     p.set_defaults(func=cmd_export)
 
@@ -50,6 +53,6 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     out = export_hf(args.run, args.out, arch=args.arch, force=args.force, concept_ratio=args.concept_ratio,
-                    extrapolate=args.extrapolate)
+                    extrapolate=args.extrapolate, max_model_len=args.max_model_len)
     print(f"exported {args.run} -> {out}")
     return 0

@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..files import building
 from ..lock import held
 from ..training.checkpoint import load_run
-from ..training.conventions import eos_list, max_length, prefix_id, token_ids
+from ..training.conventions import eos_list, positions, prefix_id, token_ids
 from .hf_remote_code import AUTO_MAP, REMOTE_FILES
 from .model_card import model_card
 
@@ -54,7 +54,8 @@ def _transformers():
 
 
 def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
-                      concept_ratio: float | None = None, extrapolate: bool = False) -> Path:
+                      concept_ratio: float | None = None, extrapolate: bool = False,
+                      max_model_len: int | None = None) -> Path:
     """Write the run as a transformers model directory (see the module docstring); returns it."""
     from .hf_model import ConceptMoEConfig, ConceptMoEForCausalLM
 
@@ -74,7 +75,7 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
         pad = eos[0] if eos else prefix_id(ids, tok)
     config = ConceptMoEConfig(conceptmoe=cfg.to_dict(), pad_token_id=pad, bos_token_id=ids["bos_token_id"],
                               eos_token_id=ids["eos_token_id"], prefix_token_id=prefix_id(ids, tok),
-                              max_position_embeddings=max_length(run_cfg), architectures=["ConceptMoEForCausalLM"],
+                              max_position_embeddings=positions(run_cfg, max_model_len), architectures=["ConceptMoEForCausalLM"],
                               concept_ratio=concept_ratio, extrapolate=extrapolate)
     config.auto_map = dict(AUTO_MAP)
     with torch.device("meta"):  # no random init: the run's own module goes in

@@ -39,7 +39,7 @@ from ..model.elastic import check_ratio
 from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
-from ..training.conventions import max_length, token_ids
+from ..training.conventions import positions, token_ids
 from .model_card import model_card
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
@@ -187,10 +187,12 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
 
 
 def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: bool = False,
-              concept_ratio: float | None = None, extrapolate: bool = False) -> Path:
+              concept_ratio: float | None = None, extrapolate: bool = False, max_model_len: int | None = None) -> Path:
     """Write a MoE run as a HF checkpoint directory (``arch`` default: where it came from); returns it.
 
-    ``concept_ratio``: an elastic ConceptMoE's default R in the exported config (None: its design ratio)."""
+    ``concept_ratio``: an elastic ConceptMoE's default R in the exported config (None: its design ratio).
+    ``max_model_len``: ``max_position_embeddings`` past the run's length (RoPE extrapolates; one
+    warning says so)."""
     run, out = Path(run), Path(out)
     cfg = model_config_of(read_run_config(run))
     if cfg.image_size:
@@ -208,12 +210,14 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
     elif extrapolate:
         raise UserError("--extrapolate applies to a --concept-ratio outside the trained range")
     check_out(out, force, replaceable(out))
+    if max_model_len is not None and max_model_len < 1:
+        raise UserError(f"--max-model-len must be >= 1, got {max_model_len}")
     if cfg.is_concept and arch is None:  # a transformers "conceptmoe" directory (hf_export.py)
         from .hf_export import export_conceptmoe
-        return export_conceptmoe(run, out, force, concept_ratio, extrapolate)
+        return export_conceptmoe(run, out, force, concept_ratio, extrapolate, max_model_len)
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
     model, cfg, tok, run_cfg = load_run(run, "cpu")
-    hf.update(token_ids(run_cfg, tok), max_position_embeddings=max_length(run_cfg))  # the source's, or ours
+    hf.update(token_ids(run_cfg, tok), max_position_embeddings=positions(run_cfg, max_model_len))  # the source's, or ours
     tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
     with held(out), building(out, "export-hf", force, replaceable(out)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -120,10 +120,22 @@ def _lone_surrogate(body) -> tuple[str | None, str] | None:
     return None
 
 
+def _integral(v) -> int | None:
+    """``v`` as an int when JSON calls it an integer (``5`` or ``5.0``, as JSON Schema and vLLM's
+    pydantic models read it), else None (booleans are not integers here)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v if isinstance(v, int) else None
+
+
 def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, open_lo=False):
     v = body.get(name, default)
     if v is None:
         return default
+    if integer and _integral(v) is not None:
+        v = _integral(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'} (got {_short(v)})", name)
     if isinstance(v, int) and abs(v) > MAX_INT:
@@ -145,12 +157,13 @@ def _short(v) -> str:
 
 
 def _ids(p, lim: Limits, name: str) -> list[int] | None:
-    """``p`` as token ids when it is a non-empty list of ints (each checked against the vocabulary)."""
-    if not (isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+    """``p`` as token ids when it is a non-empty list of integers (each checked against the vocabulary)."""
+    if not (isinstance(p, list) and p and all(_integral(t) is not None for t in p)):
         return None
+    p = [_integral(t) for t in p]
     bad = [t for t in p if not 0 <= t < lim.vocab_size]
     if bad:
-        raise ApiError(400, f"'{name}' holds token id {bad[0]} outside the vocabulary [0, {lim.vocab_size})", name)
+        raise ApiError(400, f"'{name}' holds token id {_short(bad[0])} outside the vocabulary [0, {lim.vocab_size})", name)
     return p
 
 

@@ -16,6 +16,8 @@ and the lm-evaluation-harness model read them here, so that all three agree:
 
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 from ..data.corpus import DOC_SEP
@@ -57,3 +59,14 @@ def max_length(run_cfg: dict[str, Any]) -> int:
         return int(extra["max_position_embeddings"])
     seq_len = (run_cfg.get("train") or {}).get("seq_len")
     return int(seq_len) if seq_len else DEFAULT_MAX_LENGTH
+
+
+def positions(run_cfg: dict, max_model_len: int | None) -> int:
+    """The exported ``max_position_embeddings``: the run's length, or ``max_model_len`` past it, with
+    one warning that positions past training are extrapolated (RoPE has no table to run off)."""
+    trained = max_length(run_cfg)
+    if max_model_len is None or max_model_len <= trained:
+        return trained
+    print(f"warning: max_position_embeddings {max_model_len} is past the {trained} tokens this run was trained on; "
+          f"RoPE extrapolates positions past {trained} (quality there is untested)", file=sys.stderr, flush=True)
+    return max_model_len

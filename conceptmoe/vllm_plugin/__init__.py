@@ -4,7 +4,8 @@ servable by vLLM, its concept layers' KV cache paged at concept rate (CONCEPTMOE
 ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM calls it in every
 process it starts (API server, engine core, workers), so it is idempotent. It registers the
 transformers config, the model class and the concept KV-cache spec with its manager (``kv.py``),
-and fixes seeded sampling of split prompts in vLLM's CPU engine (``seeded.py``).
+and, on CPU, fixes seeded sampling of split prompts in vLLM's CPU engine (``seeded.py``). Loaded
+with ``--scheduler-cls`` (``SCHEDULER``), ``sched.py`` allocates the concept cache from estimates.
 The model is ``model.py``; ``launch.py`` starts a vLLM server for a run (``conceptmoe serve
 --engine vllm``).
 
@@ -22,12 +23,12 @@ import os
 TESTED_VLLM = ("0.32.0",)
 MODEL_CLASS = "ConceptMoEForCausalLM"
 RATIO_PROCESSOR = "conceptmoe.vllm_plugin.ratio:ConceptRatio"  # per-request concept_ratio (ratio.py)
-SCHEDULER = "conceptmoe.vllm_plugin.sched:ConceptScheduler"  # the concept cache from estimates (sched.py)
+SCHEDULER = "conceptmoe.vllm_plugin.sched.ConceptScheduler"  # the concept cache from estimates (sched.py)
 MODEL_ENV = "CONCEPTMOE_VLLM_MODEL"  # the served export folder, where ratio.py reads its config
 # Tests only: the vLLM version the plugin believes it sees (to check it steps aside on others).
 VERSION_ENV = "CONCEPTMOE_VLLM_PRETEND_VERSION"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 _done = False
 
 

@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from .feedback import BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackTable, shared_table
 from .state import Batch, RequestStates
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 
 # The estimate of a step's concepts (``estimated_slots``): the new tokens at the request's rate,
 # times the margin, plus the pad. Short estimates cost a recompute; long ones, memory held.
@@ -112,7 +112,8 @@ def estimated_slots(num_tokens: int, reported: tuple[int, int] | None, rate: flo
     t, c = reported if reported is not None and 0 <= reported[1] <= reported[0] <= num_tokens else (0, 0)
     new = num_tokens - t
     seen = c / t if t >= RATE_MIN_TOKENS else 0.0
-    return min(concept_slots(num_tokens, reported), c + min(new, math.ceil(new * max(rate, seen) * margin) + pad))
+    guess = max(1, math.ceil(new * max(rate, seen) * margin) + pad)  # at least one: a step may start one
+    return min(concept_slots(num_tokens, reported), c + min(new, guess))
 
 
 class ConceptAttentionManager(FullAttentionManager):
@@ -161,7 +162,9 @@ class ConceptAttentionManager(FullAttentionManager):
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         slots, bound = self._slots(request_id, num_tokens)
         new = super().allocate_new_blocks(request_id, slots, min(slots, num_tokens_main_model))
-        held = self.req_to_blocks[request_id]
+        held = self.req_to_blocks.get(request_id)
+        if not held:
+            return new
         if request_id not in self.epochs:
             self.epochs[request_id] = next(_EPOCHS)
         capacity = len(held) * self.block_size

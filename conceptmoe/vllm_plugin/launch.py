@@ -53,8 +53,10 @@ class VllmServeConfig:
     extra: list[str] = field(default_factory=list)
 
 
-def model_folder(run: str | Path) -> tuple[Path, bool]:
-    """(the transformers folder to serve, whether it is a ConceptMoE), exporting the run if needed."""
+def model_folder(run: str | Path, max_model_len: int | None = None) -> tuple[Path, bool]:
+    """(the transformers folder to serve, whether it is a ConceptMoE), exporting the run if needed.
+    ``max_model_len`` past the run's training length: exported with that many positions (RoPE
+    extrapolates; the export warns once)."""
     run = Path(run)
     cfg_path = run / "config.json"
     if not cfg_path.is_file():
@@ -63,15 +65,31 @@ def model_folder(run: str | Path) -> tuple[Path, bool]:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{cfg_path}: not readable JSON ({e})") from None
-    if "model_type" in cfg:  # already a transformers folder
+    if "model_type" in cfg:  # already a transformers folder: served as it is, never rewritten
+        have = cfg.get("max_position_embeddings")
+        if max_model_len and have and max_model_len > have:
+            raise UserError(f"{run}: max_position_embeddings is {have}; to serve --max-model-len {max_model_len}, "
+                            f"export the run with `conceptmoe export-hf RUN --out DIR --max-model-len "
+                            f"{max_model_len}`")
         return run, cfg["model_type"] == "conceptmoe"
     from ..interop import export_hf
+    from ..training.conventions import max_length
 
     out = run / EXPORT_DIR
+    want = max(max_length(cfg), max_model_len or 0)
     weights, exported = run / "model.safetensors", out / "model.safetensors"
-    if not exported.is_file() or (weights.is_file() and weights.stat().st_mtime > exported.stat().st_mtime):
-        export_hf(run, out, force=True)
+    stale = (not exported.is_file() or (weights.is_file() and weights.stat().st_mtime > exported.stat().st_mtime)
+             or _positions(out) != want)
+    if stale:
+        export_hf(run, out, force=True, max_model_len=max_model_len)
     return out, json.loads((out / "config.json").read_text()).get("model_type") == "conceptmoe"
+
+
+def _positions(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_bind() -> str:
@@ -177,7 +195,7 @@ def serve_vllm(cfg: VllmServeConfig) -> int:
     check_installed()
     if cfg.port == 0:
         raise UserError("--engine vllm needs an explicit --port")
-    folder, concept = model_folder(cfg.run)
+    folder, concept = model_folder(cfg.run, cfg.max_model_len or given_max_model_len(cfg.extra))
     cfg.kv_cache_mb, line = kv_mb(cfg, folder)
     print(line, flush=True)
     argv, env = server_command(cfg, folder, concept)
@@ -199,6 +217,19 @@ def serve_vllm(cfg: VllmServeConfig) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def given_max_model_len(extra: list[str]) -> int | None:
+    """``--max-model-len N`` among vLLM's own arguments (``--vllm-args``), if there."""
+    for i, a in enumerate(extra):
+        value = a.split("=", 1)[1] if a.startswith("--max-model-len=") else (
+            extra[i + 1] if a == "--max-model-len" and i + 1 < len(extra) else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise UserError(f"--max-model-len must be a whole number, got {value!r}") from None
+    return None
 
 
 def split_extra(text: str | None) -> list[str]:

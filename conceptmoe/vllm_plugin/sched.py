@@ -1,7 +1,7 @@
 """vLLM's scheduler with the ConceptMoE's concept cache allocated from an estimate (CONCEPTMOE.md §4;
 ``kv.py`` for the managers, ``feedback.py`` for the channel).
 
-Load it with ``--scheduler-cls conceptmoe.vllm_plugin.sched:ConceptScheduler`` (``conceptmoe serve
+Load it with ``--scheduler-cls conceptmoe.vllm_plugin.sched.ConceptScheduler`` (``conceptmoe serve
 --engine vllm`` does). It turns the concept managers' estimates on, tells them each request's R
 (its ``concept_ratio``, else the export's), and after every step reads the model's flags:
 
@@ -27,7 +27,7 @@ from .feedback import BROKEN, OVERFLOW
 from .kv import ConceptAttentionManager
 from .ratio import request_ratio
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 
 
 class ConceptScheduler(Scheduler):
@@ -39,6 +39,10 @@ class ConceptScheduler(Scheduler):
                                  if isinstance(m, ConceptAttentionManager)]
         for m in self.concept_managers:
             m.estimates = True
+        if self.concept_managers:
+            m = self.concept_managers[0]
+            logger.info("ConceptMoE: concept slots from estimates (new tokens / R x %g + %d), %d concept group(s)",
+                        m.margin, m.pad, len(self.concept_managers))
         self.recomputed = 0  # requests recomputed after an estimate fell short
 
     def add_request(self, request) -> None:

@@ -10,8 +10,8 @@ not use offset"), the MoE export's as much as a ConceptMoE's.
 Here the rewind is done the CPU way: the generator state of each row whose sample will be
 discarded is saved before sampling and put back after it, and during the bookkeeping that would
 rewind by offset those rows see a stand-in whose offset calls do nothing. CUDA generators are
-left to vLLM. Applied by ``register`` in every vLLM process, on the vLLM versions the plugin
-accepts (``TESTED_VLLM``).
+left to vLLM. Applied by ``register`` only where the bug is: on the vLLM versions the plugin
+accepts (``TESTED_VLLM``), on CPU, and only while a CPU generator has no offset (``needed``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,23 @@ class _Restored:
         pass
 
 
+def needed() -> bool:
+    """Whether this torch's CPU generators lack the offset vLLM rewinds (the bug's cause)."""
+    import torch
+
+    try:
+        torch.Generator().get_offset()
+    except RuntimeError:
+        return True
+    return False
+
+
 def patch() -> None:
-    """Wrap the model runner's ``_sample`` and ``_bookkeeping_sync`` (idempotent)."""
+    """Wrap the model runner's ``_sample`` and ``_bookkeeping_sync`` (idempotent; nothing where
+    the bug is absent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if getattr(GPUModelRunner, "_conceptmoe_seeded", False):
+    if getattr(GPUModelRunner, "_conceptmoe_seeded", False) or not needed():
         return
     sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
 
