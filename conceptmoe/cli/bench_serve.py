@@ -25,6 +25,13 @@ def _ratios(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected numbers like 2,4 (got {text!r})") from None
 
 
+def _lens(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts like 1024,4096 (got {text!r})") from None
+
+
 def register_bench(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("serve", help="serving throughput at a fixed KV budget: runs side by side",
                          description="Start `conceptmoe serve` for each RUN in turn with the same --kv-cache-mb and "
@@ -58,6 +65,13 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="with --engine vllm: the load this many times on each server; the median repeat is "
                         "reported, every repeat's throughput beside it (default 1)")
+    p.add_argument("--prompt-lens", type=_lens, default=None, metavar="L,...",
+                   help="with --engine vllm and two runs (the MoE, then the ConceptMoE): the long-prompt sweep "
+                        "(bench/vllm_long.py): per length, TTFT and TPOT of a prompt sent alone, and output tok/s "
+                        "of --requests x max(L)/L prompts at --kv-cache-mb (and --unbound-kv-cache-mb), beside the "
+                        "pair's analytic limits; writes long.json, long.md and long.png")
+    p.add_argument("--unbound-kv-cache-mb", type=float, default=None, metavar="MB",
+                   help="with --prompt-lens: a second budget, one that holds every load (default: none)")
     p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -81,6 +95,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--repeats must be >= 1 (got {args.repeats})")
     if args.repeats > 1 and args.engine != "vllm":
         raise UserError("--repeats applies to --engine vllm")
+    if (args.prompt_lens or args.unbound_kv_cache_mb) and args.engine != "vllm":
+        raise UserError("--prompt-lens and --unbound-kv-cache-mb apply to --engine vllm")
+    if args.unbound_kv_cache_mb is not None and not args.prompt_lens:
+        raise UserError("--unbound-kv-cache-mb applies with --prompt-lens")
+    if args.prompt_lens:
+        return _long(args, s, out)
     if args.engine == "vllm":
         from ..bench.vllm_serve import format_table, run_vllm_serve_bench
         from ..vllm_plugin.launch import check_installed
@@ -97,4 +117,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     write_json(out / "serve.json", report)
     write_text(out / "serve.md", table + "\n")
     print(f"wrote {out / 'serve.json'}", file=sys.stderr)
+    return 0
+
+
+def _long(args: argparse.Namespace, s, out: Path) -> int:
+    from ..bench.vllm_long import format_long_table, plot, run_vllm_long_bench
+    from ..vllm_plugin.launch import check_installed
+    from .held_out import run_held_out_ids
+
+    check_installed()
+    if args.unbound_kv_cache_mb is not None and not args.unbound_kv_cache_mb > 0:
+        raise UserError(f"--unbound-kv-cache-mb must be > 0, got {args.unbound_kv_cache_mb:g}")
+    report = run_vllm_long_bench(s, run_held_out_ids(s.runs[0]).tolist(), args.prompt_lens, args.unbound_kv_cache_mb,
+                                 args.vllm_args, args.repeats)
+    table = format_long_table(report)
+    print(table)
+    report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate
+    write_json(out / "long.json", report)
+    write_text(out / "long.md", table + "\n")
+    plot(report, out / "long.png")
+    print(f"wrote {out / 'long.json'}, long.md, long.png", file=sys.stderr)
     return 0
