@@ -230,3 +230,29 @@ def test_a_plain_request_whose_client_leaves_is_cancelled_within_a_step(served, 
     finally:
         engine.on_finish = on_finish
     assert finished and finished[-1].finish_reason == "cancelled" and len(finished[-1].generated) < 100
+
+
+def _offsets_of(tok, ids: list[int]) -> list[int]:
+    """Reference text_offset: characters of the whole-prefix decode, less an unfinished character."""
+    return [len(tok.decode(ids[:j]).rstrip("\ufffd")) for j in range(len(ids))]
+
+
+def test_text_offset_counts_characters_not_bytes(served):
+    url, _, tok, _ = served
+    prompt = "Œuvre — 5 € ou ½?"  # 2-, 3- and 2-byte characters, none holding the bytes of é
+    ids = tok.encode(prompt).ids
+    assert len(ids) > len(prompt) and tok.decode(ids) == prompt
+    e = {ch: tok.token_to_id(ch) for ch in ("Ã", "©")}  # the byte tokens of é (0xC3 0xA9)
+    # bias and repetition penalty make the completion exactly é: Ã first, then © (Ã, seen, is halved)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0,
+            "logit_bias": {str(e["Ã"]): 100, str(e["©"]): 60}, "repetition_penalty": 2.0, "ignore_eos": True}
+    c = _post(url, body)["choices"][0]
+    assert c["text"] == prompt + "é"
+    want = _offsets_of(tok, ids) + [len(prompt), len(prompt)]  # both bytes of é start where é does
+    assert c["logprobs"]["text_offset"] == want
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    streamed = [o for ev in events for ch in ev["choices"] for o in (ch["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == want
+    plain = _post(url, {**body, "echo": False})["choices"][0]  # without echo, offsets count from the completion
+    assert plain["text"] == "é" and plain["logprobs"]["text_offset"] == [0, 0]

@@ -137,7 +137,33 @@ BAD = [
     ({"prompt": "x", "stop": [1]}, "'stop'"),
     ({"prompt": "x", "concept_ratio": 3}, "trained for R=2 only"),
     ({"prompt": "x " * 200, "max_tokens": 5}, "max_model_len"),
+    # once a plain-text 500 each: integers past float (OverflowError), lone surrogates, deep nesting
+    ({"prompt": "x", "max_tokens": 10**400}, "'max_tokens' is out of range: an integer of 401 digits"),
+    ({"prompt": "x", "top_k": 10**400}, "'top_k' is out of range"),
+    ({"prompt": "x", "seed": -(10**400)}, "'seed' is out of range"),
+    ({"prompt": "x", "logit_bias": {"5": 10**400}}, "'logit_bias' is out of range"),
+    ({"prompt": "x", "logit_bias": {"9" * 400: 1}}, "outside the vocabulary"),
+    ({"prompt": "x", "concept_ratio": 10**400}, "'concept_ratio' is out of range"),
+    ({"prompt": "x", "temperature": 10**400}, "'temperature' is out of range"),
+    ({"prompt": "\ud800"}, "lone surrogate (\\ud800) in a string of 'prompt'"),
+    ({"prompt": ["ok", "a\udfff"]}, "lone surrogate (\\udfff) in a string of 'prompt'"),
+    ({"prompt": "x", "stop": "\ud800"}, "in a string of 'stop'"),
+    ({"prompt": "x", "stop": ["ok", "\udbff"]}, "in a string of 'stop'"),
+    ({"prompt": "x", "model": "\ud800"}, "in a string of 'model'"),
+    ({"prompt": "x", "\ud800": 1}, "lone surrogate"),
+    ("[" * 100_000, "nested too deeply"),
+    ({"prompt": ["x"] * 64, "n": 16}, "more than the server ever queues"),
 ]
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-40])
+def test_a_top_p_that_is_zero_in_fp32_samples_the_top_token(cm_server, runs, top_p):
+    url, _, tok = cm_server
+    _, text = _greedy(runs[1]["cm"], tok, "The king", 12)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "The king", "max_tokens": 12, "temperature": 1.0,
+                                                  "top_p": top_p, "seed": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text  # nucleus of the top token alone: greedy
 
 
 @pytest.mark.parametrize("body,message", BAD, ids=[f"bad{i}" for i in range(len(BAD))])

@@ -61,3 +61,39 @@ def test_another_model_still_serves_and_serve_refuses_with_one_line(tmp_path):
                            "--kv-cache-memory-bytes", str(8 * 2 ** 20), "--enforce-eager", env=PRETEND) as url:
         assert complete(url, ps, 8) == want
     assert "other models are served as usual" in (tmp_path / "vllm.log").read_text()
+
+
+def test_serve_starts_on_a_used_machine_without_a_kv_size(tmp_path):
+    """No --kv-cache-mb: the launcher chooses a KV size from what the machine can give (page cache
+    counted as reclaimable) and passes it as bytes, so vLLM's CPU start-up check (92% of the node
+    free) never refuses. Here after filling the page cache and while another process holds a
+    quarter of the RAM."""
+    import psutil
+
+    from vllm_helpers import vllm_server
+
+    run = tmp_path / "moe"
+    concept_run(run, kind="moe", seq_len=128, d_model=64, n_heads=2, n_kv_heads=2, expert_hidden=32)
+    big = tmp_path / "pages.bin"
+    with open(big, "wb") as f:  # 2 GiB written and read back: in the page cache
+        for _ in range(64):
+            f.write(os.urandom(2 ** 25))
+    with open(big, "rb") as f:
+        while f.read(2 ** 25):
+            pass
+    quarter = psutil.virtual_memory().total // 4
+    holder = subprocess.Popen([sys.executable, "-c", f"import numpy as np, sys, time; a = np.ones({quarter}, "
+                               "dtype=np.uint8); print('held', flush=True); time.sleep(900)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with vllm_server(run, tmp_path / "serve.log", "--vllm-args", "--enforce-eager --max-model-len 128") as url:
+            got = complete(url, [[5, 6, 7]], 4)
+        assert len(got[0]) == 4
+    finally:
+        holder.kill()
+        big.unlink()
+    lines = (tmp_path / "serve.log").read_text().splitlines()
+    said = [i for i, ln in enumerate(lines) if ln.startswith("KV cache: ") and "chosen" in ln]
+    vllm = [i for i, ln in enumerate(lines) if "(APIServer" in ln]
+    assert said and vllm and said[0] < vllm[0]  # the launcher's first word, before vLLM starts
