@@ -1,8 +1,9 @@
 """What real clients send: lm-eval's local-completions, ``vllm bench serve``, vLLM's sampling extras.
 
-The payloads are built here as those clients build them (the packages are not installed), and
-sent to a live server on 127.0.0.1 (``serve_helpers.live_server``). Log-probabilities are held to
-the model's own log-softmax; penalties, bias and min_tokens to a full-recompute reference.
+The payloads are built here as those clients build them (``test_serve_lm_eval.py`` runs lm-eval's
+own ``local-completions``), and sent to a live server on 127.0.0.1 (``serve_helpers.live_server``).
+Log-probabilities are held to the model's own log-softmax, their ``text_offset`` to characters of
+the returned text; penalties, bias and min_tokens to a full-recompute reference.
 """
 
 from __future__ import annotations

@@ -97,8 +97,6 @@ KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed
 MAX_STOPS, MAX_STOP_CHARS = 64, 256  # stop strings per request (lm-eval sends more than OpenAI's 4), and chars each
 MAX_N, MAX_PROMPTS, MAX_LOGPROBS = 16, 64, 20  # choices per prompt, prompts per request, top log-probabilities
 MIN_TEMPERATURE = 0.01  # below it (and above 0) logits / temperature overflows fp32: refused, as vLLM clamps
-_REPR = reprlib.Repr()
-_REPR.maxstring, _REPR.maxother, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 40, 40, 2, 4, 4
 MAX_INT = 2**63 - 1  # no field means anything past int64; a bigger JSON integer would overflow float() or torch
 
 
@@ -150,6 +148,10 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, ope
     return v
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 40, 40, 40, 2, 4, 4
+
+
 def _short(v) -> str:
     """``repr(v)`` cut short (strings, lists, nesting), for error messages about what a client sent:
     a plain ``repr`` of a deeply nested list would recurse as deep as the JSON did."""
@@ -163,7 +165,8 @@ def _ids(p, lim: Limits, name: str) -> list[int] | None:
     p = [_integral(t) for t in p]
     bad = [t for t in p if not 0 <= t < lim.vocab_size]
     if bad:
-        raise ApiError(400, f"'{name}' holds token id {_short(bad[0])} outside the vocabulary [0, {lim.vocab_size})", name)
+        raise ApiError(400, f"'{name}' holds token id {_short(bad[0])} outside the vocabulary "
+                            f"[0, {lim.vocab_size})", name)
     return p
 
 
@@ -228,7 +231,8 @@ def _logit_bias(body: dict, lim: Limits) -> dict[int, float] | None:
         except ValueError:
             raise ApiError(400, f"'logit_bias': key {_short(k)} is not a token id", "logit_bias") from None
         if not 0 <= t < lim.vocab_size:
-            raise ApiError(400, f"'logit_bias': token id {_short(t)} outside the vocabulary [0, {lim.vocab_size})", "logit_bias")
+            raise ApiError(400, f"'logit_bias': token id {_short(t)} outside the vocabulary [0, {lim.vocab_size})",
+                           "logit_bias")
         out[t] = float(_number({"logit_bias": v}, "logit_bias", 0, -100, 100))
     return out or None
 
