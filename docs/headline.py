@@ -139,9 +139,8 @@ SERVING = (  # record, engine, note
     ("serving/fp32-64mb.json", "built-in", ""),
     ("serving/fp32-512mb.json", "built-in", ""),
     ("serving/bf16-12mb.json", "built-in", ""),
-    ("serving/vllm-fp32-64mb/serve.json", "vLLM", "both compiled"),
-    ("serving/vllm-fp32-64mb-eager/serve.json", "vLLM", "both eager"),
-    ("serving/vllm-fp32-512mb/serve.json", "vLLM", "both compiled"),
+    ("serving/vllm-mixed-32mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
+    ("serving/vllm-mixed-512mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
 )
 
 
@@ -170,6 +169,8 @@ def serving() -> str:
         peak_short = min(moe["peak_concurrent"], cm["peak_concurrent"]) < s["requests"]
         binds = "binds" if preempted or peak_short else "does not bind"
         shape = f"{s['requests']} × {s['prompt_len']} + {s['output_len']}"
+        if s.get("len_spread"):
+            shape += f" (lengths ±{s['len_spread']:.0%})"
         kv = (f"{cm['kv_bytes_per_token']:.0f} vs {moe['kv_bytes_per_token']:.0f}" if engine == "built-in"
               else f"{cm['kv_cache_tokens']} vs {moe['kv_cache_tokens']} tokens")
         what = ", ".join(x for x in (f"{s['kv_cache_mb']:g} MiB", s["dtype"], shape, binds, note) if x)
