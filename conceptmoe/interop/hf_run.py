@@ -39,7 +39,7 @@ from ..model.elastic import check_ratio
 from ..model.lm import build_model
 from ..training.checkpoint import RUN_FORMAT, RUN_VERSION, load_run, model_config_of, read_run_config, write_json
 from ..data.tokenizer import load_tokenizer
-from ..training.conventions import positions, token_ids
+from ..training.conventions import max_length, positions, token_ids
 from .model_card import model_card
 from .hf_config import ARCHS, arch_of, default_arch, hf_config_from_model, model_config_from_hf
 from .hf_weights import from_hf, to_hf
@@ -184,6 +184,11 @@ def import_hf(src: str | Path, out: str | Path, force: bool = False) -> Path:
         write_json(tmp / "config.json", {"format": RUN_FORMAT, "version": RUN_VERSION, "name": cfg.name,
                                          "model": cfg.to_dict(), "train": {}, "source": source})
     return out
+
+
+def trained_length(run_cfg: dict) -> int:
+    """The positions a run's export has by default: its training length (or an import's own)."""
+    return max_length(run_cfg)
 
 
 def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: bool = False,

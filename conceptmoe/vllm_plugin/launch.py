@@ -73,10 +73,10 @@ def model_folder(run: str | Path, max_model_len: int | None = None) -> tuple[Pat
                             f"{max_model_len}`")
         return run, cfg["model_type"] == "conceptmoe"
     from ..interop import export_hf
-    from ..training.conventions import max_length
+    from ..interop.hf_run import trained_length
 
     out = run / EXPORT_DIR
-    want = max(max_length(cfg), max_model_len or 0)
+    want = max(trained_length(cfg), max_model_len or 0)
     weights, exported = run / "model.safetensors", out / "model.safetensors"
     stale = (not exported.is_file() or (weights.is_file() and weights.stat().st_mtime > exported.stat().st_mtime)
              or _positions(out) != want)
