@@ -35,24 +35,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400, env: dict | None = None):
-    """Yields the base URL of ``conceptmoe serve RUN --engine vllm ...``; stops it afterwards.
-    ``env``: more environment for the server."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
+def _server(argv: list[str], log: Path, env: dict, ready, timeout: float):
+    """Runs ``argv`` (its output into ``log``) until ``ready(log)`` holds; stops it afterwards."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "conceptmoe", "serve", str(run), "--engine", "vllm",
-                                 "--port", str(port), *cli], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
-        while not re.search(r"^serving .* with vLLM at ", log.read_text(), re.M):
+        while not ready(log):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM server did not start (exit {proc.poll()}); log tail:\n"
                                    + log.read_text()[-3000:])
             time.sleep(0.5)
-        yield url
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -63,38 +57,36 @@ def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400, env: dict
 
 
 @contextlib.contextmanager
+def vllm_server(run: Path, log: Path, *cli: str, timeout: float = 400, env: dict | None = None):
+    """Yields the base URL of ``conceptmoe serve RUN --engine vllm ...``; stops it afterwards.
+    ``env``: more environment for the server."""
+    port = free_port()
+    argv = [sys.executable, "-m", "conceptmoe", "serve", str(run), "--engine", "vllm", "--port", str(port), *cli]
+    listening = lambda f: re.search(r"^serving .* with vLLM at ", f.read_text(), re.M)  # noqa: E731
+    with _server(argv, log, dict(os.environ, OMP_NUM_THREADS="2", **(env or {})), listening, timeout):
+        yield f"http://127.0.0.1:{port}"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextlib.contextmanager
 def plain_vllm_server(folder: Path, log: Path, *args: str, env: dict | None = None, timeout: float = 400):
     """Yields the base URL of vLLM's own OpenAI server on a transformers folder (no launcher of ours)."""
     from conceptmoe.vllm_plugin.launch import cpu_bind
 
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND=cpu_bind(), **(env or {}))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                                 "--host", "127.0.0.1", "--port", str(port), *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not start (exit {proc.poll()}); log tail:\n"
-                                   + log.read_text()[-3000:])
-            time.sleep(0.5)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+            "--port", str(port), *args]
+    with _server(argv, log, env, lambda _: _healthy(url), timeout):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
 
 
 def metric(url: str, name: str) -> float:

@@ -36,22 +36,20 @@ def loads(s: ServeBenchSettings, lens: list[int]) -> dict[int, int]:
     return {L: max(1, round(s.requests * max(lens) / L)) for L in lens}
 
 
-def realised_ratio(run: str, prompts: list[list[int]]) -> float | None:
-    """Tokens per concept the run's router makes on ``prompts`` (None for a MoE)."""
+def realised_ratios(run: str, prompts: dict[int, list[list[int]]]) -> dict[int, float]:
+    """Tokens per concept the ConceptMoE ``run``'s router makes on each length's ``prompts``."""
     import torch
 
     from ..training.checkpoint import load_run
 
-    model, cfg, *_ = load_run(run, "cpu")
-    if not cfg.is_concept:
-        return None
+    model, *_ = load_run(run, "cpu")
     model.eval()
-    tokens = concepts = 0
+    out = {}
     with torch.no_grad():
-        for p in prompts:
-            out = model(torch.tensor([p]))
-            tokens, concepts = tokens + len(p), concepts + int(out.chunks.b.sum())
-    return tokens / max(concepts, 1)
+        for L, ps in prompts.items():
+            concepts = sum(int(model(torch.tensor([p])).chunks.b.sum()) for p in ps)
+            out[L] = sum(map(len, ps)) / max(concepts, 1)
+    return out
 
 
 def analytic(moe_cfg, cm_cfg, L: int, R: float) -> dict:
@@ -112,9 +110,10 @@ def run_vllm_long_bench(s: ServeBenchSettings, held_out: list[int], lens: list[i
             for *_, proc, _url in servers:
                 proc.wait(120)
     rows = []
+    ratios = realised_ratios(s.runs[1], {L: [r["prompt"] for r in want[L][:4]] for L in lens})
     for L in lens:
-        R = realised_ratio(s.runs[1], [r["prompt"] for r in want[L][:4]])
-        row = {"prompt_len": L, "requests": per[L], "realised_R": R, "analytic": analytic(*cfgs, L, R or 1.0)}
+        R = ratios[L]
+        row = {"prompt_len": L, "requests": per[L], "realised_R": R, "analytic": analytic(*cfgs, L, R)}
         for kind, run in zip(("moe", "conceptmoe"), s.runs):
             a = got[(run, L, "alone")]
             ttft = statistics.median(m["ttft_s"]["mean"] for m in a)

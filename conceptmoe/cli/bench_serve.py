@@ -111,12 +111,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if args.vllm_args:
             raise UserError("--vllm-args applies to --engine vllm")
         report = run_serve_bench(s, run_held_out_ids(s.runs[0]).tolist())
-    table = format_table(report)
+    return _write(out, "serve", report, format_table(report), s)
+
+
+def _write(out: Path, stem: str, report: dict, table: str, s) -> int:
+    """Print the table; write ``stem``.json and ``stem``.md to ``out``."""
     print(table)
     report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate  # strict JSON: no Infinity
-    write_json(out / "serve.json", report)
-    write_text(out / "serve.md", table + "\n")
-    print(f"wrote {out / 'serve.json'}", file=sys.stderr)
+    write_json(out / f"{stem}.json", report)
+    write_text(out / f"{stem}.md", table + "\n")
+    print(f"wrote {out / f'{stem}.json'}", file=sys.stderr)
     return 0
 
 
@@ -130,11 +134,5 @@ def _long(args: argparse.Namespace, s, out: Path) -> int:
         raise UserError(f"--unbound-kv-cache-mb must be > 0, got {args.unbound_kv_cache_mb:g}")
     report = run_vllm_long_bench(s, run_held_out_ids(s.runs[0]).tolist(), args.prompt_lens, args.unbound_kv_cache_mb,
                                  args.vllm_args, args.repeats)
-    table = format_long_table(report)
-    print(table)
-    report["settings"]["rate"] = None if math.isinf(s.rate) else s.rate
-    write_json(out / "long.json", report)
-    write_text(out / "long.md", table + "\n")
     plot(report, out / "long.png")
-    print(f"wrote {out / 'long.json'}, long.md, long.png", file=sys.stderr)
-    return 0
+    return _write(out, "long", report, format_long_table(report), s)

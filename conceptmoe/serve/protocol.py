@@ -132,8 +132,8 @@ def _number(body: dict, name: str, default, lo=None, hi=None, integer=False, ope
     v = body.get(name, default)
     if v is None:
         return default
-    if integer and _integral(v) is not None:
-        v = _integral(v)
+    if integer and (i := _integral(v)) is not None:
+        v = i
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'} (got {_short(v)})", name)
     if isinstance(v, int) and abs(v) > MAX_INT:
@@ -160,9 +160,11 @@ def _short(v) -> str:
 
 def _ids(p, lim: Limits, name: str) -> list[int] | None:
     """``p`` as token ids when it is a non-empty list of integers (each checked against the vocabulary)."""
-    if not (isinstance(p, list) and p and all(_integral(t) is not None for t in p)):
+    if not (isinstance(p, list) and p):
         return None
     p = [_integral(t) for t in p]
+    if None in p:
+        return None
     bad = [t for t in p if not 0 <= t < lim.vocab_size]
     if bad:
         raise ApiError(400, f"'{name}' holds token id {_short(bad[0])} outside the vocabulary "

@@ -106,13 +106,17 @@ class FeedbackTable:
     def report_many(self, keys: np.ndarray, epochs, tokens, concepts, flags) -> None:
         self._store(keys, _R, [epochs, tokens, concepts, flags])
 
+    def reports(self, keys, epochs) -> tuple[np.ndarray, np.ndarray]:
+        """((K, 3): T, C, flag per key; (K,) whether each is a whole report made under that key's
+        epoch: not torn, not another epoch's (an earlier owner of the block, an earlier life))."""
+        vals, ok = self._load(keys, _R, 4)
+        epochs = np.asarray(epochs)
+        return vals[..., 1:], ok & (epochs > 0) & (vals[..., 0] == epochs)
+
     def report(self, key: int, epoch: int) -> tuple[int, int, int] | None:
-        """(T, C, flag) reported under ``epoch`` for ``key``; None if there is none, it is torn,
-        or it belongs to another epoch (an earlier owner of the block, an earlier life)."""
-        vals, ok = self._load(key, _R, 4)
-        if not ok or epoch <= 0 or vals[0] != epoch:
-            return None
-        return int(vals[1]), int(vals[2]), int(vals[3])
+        """(T, C, flag) reported under ``epoch`` for ``key`` (None: none that ``reports`` accepts)."""
+        vals, ok = self.reports(key, epoch)
+        return tuple(int(v) for v in vals) if ok else None
 
     def clear(self, key: int) -> None:
         self._store(key, _G, [0, 0, 0])

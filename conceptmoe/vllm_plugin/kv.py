@@ -136,15 +136,25 @@ class ConceptAttentionManager(FullAttentionManager):
         self.margin, self.pad = _estimate_terms()
 
     def _report(self, request_id: str) -> tuple[int, int] | None:
+        """(T, C) of the request's last report under its epoch (None: none yet)."""
         blocks = self.req_to_blocks.get(request_id)
         got = self._table.report(blocks[0].block_id, self.epochs.get(request_id, 0)) if blocks else None
         return None if got is None else got[:2]
 
     def flag(self, request_id: str) -> int:
-        """The flag of the request's last report (0: none, or not this life's)."""
-        blocks = self.req_to_blocks.get(request_id)
-        got = self._table.report(blocks[0].block_id, self.epochs.get(request_id, 0)) if blocks else None
-        return 0 if got is None else got[2]
+        return self.flags([request_id])[0]
+
+    def flags(self, request_ids) -> list[int]:
+        """The flag of each request's last report (0: none, or not this life's), read at once."""
+        ids = list(request_ids)
+        held = [i for i, r in enumerate(ids) if self.req_to_blocks.get(r)]
+        out = [0] * len(ids)
+        if held:
+            keys = np.array([self.req_to_blocks[ids[i]][0].block_id for i in held])
+            vals, ok = self._table.reports(keys, [self.epochs.get(ids[i], 0) for i in held])
+            for i, f, good in zip(held, vals[:, 2].tolist(), ok.tolist()):
+                out[i] = f if good else 0
+        return out
 
     def _slots(self, request_id: str, num_tokens: int) -> tuple[int, int]:
         """(slots to hold, the safe bound) for ``num_tokens`` tokens."""
@@ -235,10 +245,12 @@ class ConceptCache:
         per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
         return table[:n, 0].cpu().numpy() // per_block
 
-    def grants(self, groups, n: int) -> list[np.ndarray]:
-        """Per concept group, (n, 3): each request's grant (epoch, capacity, mode)."""
+    def grants(self, groups, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 3: epoch,
+        capacity, mode); the keys are the report's too."""
         table = self.feedback_table()
-        return [table.grants(self._keys(bt, n)) for _, bt in groups]
+        keys = [self._keys(bt, n) for _, bt in groups]
+        return keys, [table.grants(k) for k in keys]
 
     def admit(self, grants: list[np.ndarray], firsts: list[int], counts: list[int]) -> np.ndarray:
         """(n,) the step's flag per request: 0, or the requests whose concepts would pass their
@@ -261,14 +273,14 @@ class ConceptCache:
                          "nothing written, the request is ended", r, need[r], min(int(g[r, 1]) for g in grants))
         return flags
 
-    def report(self, groups, grants: list[np.ndarray], batch: Batch, states: RequestStates, flags) -> None:
+    def report(self, keys: list[np.ndarray], grants: list[np.ndarray], batch: Batch, states: RequestStates,
+               flags) -> None:
         """(epoch, tokens, concepts, flag) of every request, for the concept groups' managers."""
         table = self.feedback_table()
-        n = len(batch.rows)
         concepts = states.concepts[batch.rows].cpu().numpy()
         tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
-        for (_, bt), g in zip(groups, grants):
-            table.report_many(self._keys(bt, n), g[:, 0], tokens, concepts, flags)
+        for k, g in zip(keys, grants):
+            table.report_many(k, g[:, 0], tokens, concepts, flags)
 
     def feedback_table(self) -> FeedbackTable:
         """The table the engine's scheduler made (``feedback.py``); an error if it cannot be opened."""

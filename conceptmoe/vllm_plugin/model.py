@@ -318,7 +318,7 @@ class ConceptMoEForCausalLM(nn.Module):
         every token of the batch reads."""
         cfg, md, groups, batch, states = self.cfg, step.md, step.groups, step.batch, step.states
         b = p >= 0.5
-        grants = self._cache.grants(groups, len(batch.rows))
+        fed, grants = self._cache.grants(groups, len(batch.rows))  # feedback keys, grants
         c_raw, c_pos, c_p, counts, firsts = gather_concepts(h, b, p, batch, states, cfg.concept_pooling == "mean")
         flags = self._cache.admit(grants, firsts, counts)  # requests whose concepts pass their blocks
         if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
@@ -337,7 +337,7 @@ class ConceptMoEForCausalLM(nn.Module):
         if keys is not None:
             ends = torch.tensor(batch.ends, device=h.device) - 1
             states.last_key[batch.rows] = keys[ends]
-        self._cache.report(groups, grants, batch, states, flags)
+        self._cache.report(fed, grants, batch, states, flags)
         return z_tok
 
     def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:

@@ -12,9 +12,7 @@ from vllm.config import VllmConfig
 
 
 def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """One line for each engine setting the concept cache cannot serve (yet), naming the flag to
-    pass. Each one would otherwise run and be wrong without a word: the scheduler's grants and the
-    model's reports must not cross (``feedback.py``), and the worker's rows must be the scheduler's."""
+    """Raises with one line for the first engine setting the concept cache cannot serve (yet)."""
     c, par = vllm_config, vllm_config.parallel_config
     if c.cache_config.enable_prefix_caching:
         raise ValueError("ConceptMoE in vLLM: prefix caching is not supported (concept blocks depend on where "

@@ -52,12 +52,10 @@ class ConceptScheduler(Scheduler):
         super().add_request(request)
 
     def _flags(self, scheduler_output) -> dict[str, int]:
-        flags = {}
-        for req_id in scheduler_output.num_scheduled_tokens:
-            f = max((m.flag(req_id) for m in self.concept_managers), default=0)
-            if f:
-                flags[req_id] = f
-        return flags
+        """The flagged requests of the step (one read of the table per concept group)."""
+        ids = list(scheduler_output.num_scheduled_tokens)
+        worst = [max(fs) for fs in zip(*(m.flags(ids) for m in self.concept_managers))]
+        return {r: f for r, f in zip(ids, worst) if f}
 
     def update_from_output(self, scheduler_output, model_runner_output):
         flags = self._flags(scheduler_output) if self.concept_managers else {}

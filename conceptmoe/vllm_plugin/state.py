@@ -138,7 +138,8 @@ def drop_requests(flagged: list[int], c_raw: torch.Tensor, c_pos: torch.Tensor, 
     crid = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
     keep = keep_req[crid]  # (M,)
     b = b.clone()
-    for r in flagged:
+    dropped = set(flagged)
+    for r in dropped:
         b[batch.starts[r]:batch.ends[r]] = False
-    counts = [0 if r in set(flagged) else k for r, k in enumerate(counts)]
+    counts = [0 if r in dropped else k for r, k in enumerate(counts)]
     return c_raw[keep], c_pos[keep], c_p[keep], counts, b
