@@ -42,9 +42,10 @@ def loop_dechunk(z_tok, src, c_p, b, batch, counts, states):
     states.concepts[torch.tensor(batch.rows)] += torch.tensor(counts)
 
 
-def case(seed: int):
+def case(seed: int, decode: bool = False):
+    """A flat batch of requests with carried state; ``decode``: one token a request (the fast path)."""
     g = torch.Generator().manual_seed(seed)
-    lens = [5, 1, 16, 1, 3, 1, 9][: 2 + seed % 6]
+    lens = [1] * (1 + 3 * seed) if decode else [5, 1, 16, 1, 3, 1, 9][: 2 + seed % 6]
     starts = [sum(lens[:i]) for i in range(len(lens))]
     rows = torch.randperm(20, generator=g)[: len(lens)].tolist()
     batch = Batch(starts, [s + n for s, n in zip(starts, lens)], [0] * len(lens), rows)
@@ -59,10 +60,13 @@ def case(seed: int):
     return h, b, p, batch, states
 
 
+@pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("mean", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorized_concept_step_equals_the_loop(seed, mean):
-    h, b, p, batch, states = case(seed)
+def test_vectorized_concept_step_equals_the_loop(seed, mean, decode):
+    h, b, p, batch, states = case(seed, decode)
+    if decode and not b.any():
+        b[0] = True
     ref_states = copy.deepcopy(states)
     got = gather_concepts(h, b, p, batch, states, mean)
     want = loop_gather(h, b, p, batch, ref_states, mean)

@@ -57,6 +57,11 @@ from .ratio import repeat_terms, row_ratios
 from .state import Batch, RequestStates, dechunk, drop_requests, gather_concepts
 
 
+def _shape_guards(entries) -> list[bool]:
+    """Dynamo keeps a compiled stage's shape guards only (``_stage``)."""
+    return [e.guard_type == "SHAPE_ENV" for e in entries]
+
+
 class _Step(NamedTuple):
     """One forward's requests and what the concept step needs of them."""
 
@@ -198,43 +203,52 @@ class ConceptMoEForCausalLM(nn.Module):
         if dummy and self._compile and x.shape[0] > 1:
             self.forward(None if input_ids is None else input_ids[:1], positions[:1], inputs_embeds=x[:1])
         if not isinstance(m, ConceptMoELM):
-            return self._stage("plain")(x, *self._rope(positions, x.dtype))
+            return self._stage("plain", x.shape[0])(x, positions.clone())
         step = None if dummy else self._step(md, x)
         n = x.shape[0] if step is None else step.n  # the real tokens (vLLM may pad the batch)
         # positions copied: vLLM's are a view of a buffer made outside inference mode, which a compiled
         # stage would guard on (its base's size, its dispatch keys), unlike the concepts' positions
         h, pos = x[:n], positions[:n].clone()
-        cos, sin = self._rope(pos, x.dtype)
-        h, p, keys = self._stage("encoder")(h, cos, sin, *self._route_inputs(h, pos, step))
+        h, p, keys = self._stage("encoder", n)(h, *self._route_inputs(h, pos, step))
         z = self._concepts_dummy(h, pos) if step is None else self._concepts(h, p, keys, step)
-        out = self._stage("decoder")(h, z, cos, sin)
+        out = self._stage("decoder", n)(h, z, pos)
         return out if n == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[1])])
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
-    def _stage(self, name: str):
-        """A stage as a function: compiled with inductor (dynamic in its row count) when vLLM
-        compiles, else the method itself. Only the concept step between the stages (gathering,
-        metadata, dechunking: data-dependent shapes) stays eager. A dynamic size of 1 gets a graph
-        of its own (torch specializes 0 and 1), so the warm-up runs each stage on one row too: no
-        stage compiles while requests wait."""
+    def _stage(self, name: str, rows: int = 2):
+        """A stage as a function: compiled with inductor when vLLM compiles, else the method itself.
+        Only the concept step between the stages (gathering, metadata, dechunking: data-dependent
+        shapes) stays eager.
+
+        Two graphs a stage, as vLLM compiles its own models: one for a single row (torch
+        specializes a size of 1) and one dynamic in the row count, each chosen here by ``rows``
+        rather than by dynamo's guards. The guards, checked on every call, cost more than a
+        one-row decode step's arithmetic (a check per weight); only the shape guards of the
+        dynamic graph are kept. What they would check does not change while vLLM serves: the
+        weights, dtypes, the model's options, no-grad. The warm-up runs each stage on one row
+        and on many, so no stage compiles while requests wait."""
         fn = getattr(self, f"_{name}")
         if not self._compile:
             return fn
-        if name not in self._compiled:
-            self._compiled[name] = torch.compile(fn, dynamic=True, backend="inductor", options=self._inductor)
-        return self._compiled[name]
+        key = (name, rows == 1)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(fn, dynamic=rows != 1, backend="inductor",
+                                                options={**self._inductor, "guard_filter_fn": _shape_guards})
+        return self._compiled[key]
 
-    def _plain(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _plain(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope(pos, x.dtype)
         for blk, lin, attn, fused in self._layers["plain"]:
             x = run_block(blk, lin, attn, fused, x, cos, sin)
         return self.model.norm(x)
 
-    def _encoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *route):
+    def _encoder(self, x: torch.Tensor, pos: torch.Tensor, *route):
         """The encoder blocks, then the chunk router on their output: (h, p, keys)."""
+        cos, sin = self._rope(pos, x.dtype)
         for blk, lin, attn, fused in self._layers["encoder"]:
             x = run_block(blk, lin, attn, fused, x, cos, sin)
-        return (x, *self._route(x, *route))
+        return (x, *self._route(x, pos, *route))
 
     def _route(self, h: torch.Tensor, pos: torch.Tensor, carry: torch.Tensor, kept: torch.Tensor,
                bias: torch.Tensor | None, shift: torch.Tensor | None):
@@ -249,7 +263,8 @@ class ConceptMoEForCausalLM(nn.Module):
         p, _ = chunk.step(h, prev, pos, **({} if shift is None else {"shift": shift}))
         return p, keys
 
-    def _decoder(self, x: torch.Tensor, z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _decoder(self, x: torch.Tensor, z: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope(pos, x.dtype)
         h = x + z
         for blk, lin, attn, fused in self._layers["decoder"]:
             h = run_block(blk, lin, attn, fused, h, cos, sin, z)
@@ -269,7 +284,7 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def _concepts_dummy(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
-        return self._stage("concept")(h, pos) - h
+        return self._stage("concept", h.shape[0])(h, pos) - h
 
     def _row_ratios(self, batch: Batch) -> list[float]:
         """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""
@@ -329,7 +344,7 @@ class ConceptMoEForCausalLM(nn.Module):
             c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._cache.install_metadata(md, groups, counts, firsts, c_pos)
-            c = self._stage("concept")(c_in, c_pos)
+            c = self._stage("concept", c_in.shape[0])(c_in, c_pos)
             src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
         else:
             src = h.new_zeros(0, h.shape[1])

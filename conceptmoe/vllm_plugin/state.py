@@ -55,19 +55,26 @@ def gather_concepts(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Ba
     ``mean``: a concept is the mean of its tokens (else the boundary token's state). h, b, p: the
     batch's N real tokens."""
     dev = h.device
-    rid = _request_of_token(batch, dev)  # (N,)
     rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
     at = b.nonzero().flatten()  # (M,) boundary tokens, grouped by request in batch order
-    crid = rid[at]
-    counts = torch.bincount(crid, minlength=len(batch.rows))  # (R,)
     firsts = states.concepts[rows]  # (R,)
-    rank = torch.arange(at.numel(), device=dev) - (counts.cumsum(0) - counts)[crid]  # within its request
+    if decoding(batch):  # one token a request: token r is request r's, at most one concept each
+        crid, counts, rank = at, b.long(), 0
+    else:
+        crid = _request_of_token(batch, dev)[at]
+        counts = torch.bincount(crid, minlength=len(batch.rows))  # (R,)
+        rank = torch.arange(at.numel(), device=dev) - (counts.cumsum(0) - counts)[crid]  # within its request
     if mean:
         raw = torch.cat([mean_pool(h[s:e], b[s:e].nonzero().flatten(), states, row)
                          for s, e, row in zip(batch.starts, batch.ends, batch.rows)]) if batch.rows else h[:0]
     else:
         raw = h[at]
     return raw, firsts[crid] + rank, p[at], counts.tolist(), firsts.tolist()
+
+
+def decoding(batch: Batch) -> bool:
+    """Every request of the batch brings exactly one token (a decode step)."""
+    return len(batch.starts) == (batch.ends[-1] if batch.ends else 0)
 
 
 def _request_of_token(batch: Batch, device: torch.device) -> torch.Tensor:
@@ -109,6 +116,15 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     dev = z_tok.device
     R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
     rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
+    if decoding(batch):  # token r is request r's, at most one concept each: one update, the same arithmetic
+        z, ps = states.z[rows], c_p.to(z_tok.dtype)[:, None]
+        at = b.nonzero().flatten()
+        z_new = z.clone()
+        z_new[at] = ps * src.to(z.dtype) + (1 - ps) * z[at]
+        z_tok[:R] = z_new
+        states.z[rows] = z_new
+        states.concepts[rows] += b.long()[:R]
+        return
     k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
     crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
     slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
