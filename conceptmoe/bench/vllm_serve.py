@@ -110,7 +110,14 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict)
         return results, time.perf_counter() - t0
 
 
+SETTLE_S = 2.0  # vLLM's engine busy-polls its worker for 1 s after its last step (shm_broadcast's SpinCondition)
+
+
 def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra: dict | None = None) -> dict:
+    """One load on one server. It starts ``SETTLE_S`` after the last: until then the server measured
+    before still spins on a core, and a short measurement (one prompt alone) would share the
+    machine with it."""
+    time.sleep(SETTLE_S)
     samples, stop = [], threading.Event()
 
     def poll():
@@ -156,7 +163,8 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
     """Every server started first (one at a time: start-up compiles), then the load sent to each in
     turn, ``repeats`` rounds: the servers are measured interleaved, so a drift of the machine's
     speed (seen here: 30% between runs minutes apart) falls on all of them alike. An idle vLLM
-    server stops polling within a second, so the one under load has the cores."""
+    server stops polling within a second (``measure`` waits that out first), so the one under load
+    has the cores."""
     from ..training.checkpoint import load_run_meta
 
     s.check()

@@ -26,8 +26,8 @@ is a few vectors per request, next to the KV blocks each request holds.
 
 The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
 ``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1 and 2,
-3's concept blocks, and 5 are three functions compiled with inductor, dynamic in their row count
-(vLLM on CPU traces its own models once the same way); the concept step between them (gathering,
+3's concept blocks, and 5 are three functions compiled with inductor, dynamic in their row count,
+without dynamo's per-call guards (``_stage``); the concept step between them (gathering,
 metadata, dechunking: data-dependent shapes) stays eager. On CUDA only eager is allowed (untested).
 The blocks run on vLLM's kernels (``dense.py``): fused projections, fused MoE, paged attention.
 
