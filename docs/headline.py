@@ -141,6 +141,7 @@ SERVING = (  # record, engine, note
     ("serving/bf16-12mb.json", "built-in", ""),
     ("serving/vllm-mixed-32mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
     ("serving/vllm-mixed-512mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
+    ("serving/vllm-deep-mixed-64mb/serve.json", "vLLM", "the deep pair (2 + 12 + 2), both compiled"),
 )
 
 
