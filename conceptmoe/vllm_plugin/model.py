@@ -206,8 +206,8 @@ class ConceptMoEForCausalLM(nn.Module):
             return self._stage("plain", x.shape[0])(x, positions.clone())
         step = None if dummy else self._step(md, x)
         n = x.shape[0] if step is None else step.n  # the real tokens (vLLM may pad the batch)
-        # positions copied: vLLM's are a view of a buffer made outside inference mode, which a compiled
-        # stage would guard on (its base's size, its dispatch keys), unlike the concepts' positions
+        # positions copied: vLLM's are a view of a buffer made outside inference mode, which dynamo
+        # would trace as such (its base's size, its dispatch keys), unlike the concepts' positions
         h, pos = x[:n], positions[:n].clone()
         h, p, keys = self._stage("encoder", n)(h, *self._route_inputs(h, pos, step))
         z = self._concepts_dummy(h, pos) if step is None else self._concepts(h, p, keys, step)
@@ -216,7 +216,7 @@ class ConceptMoEForCausalLM(nn.Module):
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
-    def _stage(self, name: str, rows: int = 2):
+    def _stage(self, name: str, rows: int):
         """A stage as a function: compiled with inductor when vLLM compiles, else the method itself.
         Only the concept step between the stages (gathering, metadata, dechunking: data-dependent
         shapes) stays eager.

@@ -114,7 +114,7 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     request's z does not depend on what else is in the batch (a scan over the batch's widest
     request would round differently with the width)."""
     dev = z_tok.device
-    R, D, width = len(counts), z_tok.shape[1], 1 + max(counts, default=0)
+    R = len(counts)
     rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
     if decoding(batch):  # token r is request r's, at most one concept each: one update, the same arithmetic
         z, ps = states.z[rows], c_p.to(z_tok.dtype)[:, None]
@@ -123,8 +123,9 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
         z_new[at] = ps * src.to(z.dtype) + (1 - ps) * z[at]
         z_tok[:R] = z_new
         states.z[rows] = z_new
-        states.concepts[rows] += b.long()[:R]
+        states.concepts[rows] += b.long()
         return
+    D, width = z_tok.shape[1], 1 + max(counts, default=0)
     k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
     crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
     slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
