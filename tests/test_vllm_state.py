@@ -42,17 +42,18 @@ def loop_dechunk(z_tok, src, c_p, b, batch, counts, states):
     states.concepts[torch.tensor(batch.rows)] += torch.tensor(counts)
 
 
-def case(seed: int, decode: bool = False):
-    """A flat batch of requests with carried state; ``decode``: one token a request (the fast path)."""
+def case(seed: int, decode: bool = False, dtype: torch.dtype = torch.float32):
+    """A flat batch of requests with carried state; ``decode``: one token a request (the fast path).
+    ``dtype``: the model's (bf16 takes dechunk's torch loop, float32 its numpy one)."""
     g = torch.Generator().manual_seed(seed)
     lens = [1] * (1 + 3 * seed) if decode else [5, 1, 16, 1, 3, 1, 9][: 2 + seed % 6]
     starts = [sum(lens[:i]) for i in range(len(lens))]
     rows = torch.randperm(20, generator=g)[: len(lens)].tolist()
     batch = Batch(starts, [s + n for s, n in zip(starts, lens)], [0] * len(lens), rows)
     n = sum(lens)
-    h, p = torch.randn(n, D, generator=g), torch.rand(n, generator=g)
+    h, p = torch.randn(n, D, generator=g).to(dtype), torch.rand(n, generator=g)
     b = p >= 0.5
-    states = RequestStates.empty(20, D, torch.float32, torch.device("cpu"))
+    states = RequestStates.empty(20, D, dtype, torch.device("cpu"))
     states.z.normal_(generator=g)
     states.pool_sum.normal_(generator=g)
     states.pool_count.copy_(torch.randint(0, 4, (20,), generator=g))
@@ -60,11 +61,12 @@ def case(seed: int, decode: bool = False):
     return h, b, p, batch, states
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("mean", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_vectorized_concept_step_equals_the_loop(seed, mean, decode):
-    h, b, p, batch, states = case(seed, decode)
+def test_vectorized_concept_step_equals_the_loop(seed, mean, decode, dtype):
+    h, b, p, batch, states = case(seed, decode, dtype)
     if decode and not b.any():
         b[0] = True
     ref_states = copy.deepcopy(states)
@@ -73,8 +75,8 @@ def test_vectorized_concept_step_equals_the_loop(seed, mean, decode):
     for x, y in zip(got[:3], want[:3]):
         assert torch.equal(x, y)
     assert got[3:] == want[3:] and sum(got[3]) > 0
-    src = torch.randn(got[0].shape)
-    z, z_ref = torch.full((h.shape[0] + 3, D), 7.0), torch.full((h.shape[0] + 3, D), 7.0)  # 3 padding rows
+    src = torch.randn(got[0].shape).to(dtype)
+    z, z_ref = (torch.full((h.shape[0] + 3, D), 7.0, dtype=dtype) for _ in range(2))  # 3 padding rows
     dechunk(z, src, got[2], b, batch, got[3], states)
     loop_dechunk(z_ref, src, want[2], b, batch, want[3], ref_states)
     assert torch.equal(z, z_ref)

@@ -112,6 +112,13 @@ class ConceptMoEForCausalLM(nn.Module):
         self._states: RequestStates | None = None
         self._cache = ConceptCache(vllm_config, self.concept_attn)
         self._released: dict[str, torch.Size] = {}  # our weights freed once copied into vLLM's layers
+        # RoPE's cos and sin for every position a step can hold, computed once: inside a compiled
+        # stage each one is a row read (computed there, inductor recomputed them per head and
+        # element: 30 ms of a 4K-token prefill)
+        rows = max(vllm_config.model_config.max_model_len, vllm_config.scheduler_config.max_num_batched_tokens)
+        cos, sin = rope_tables(torch.arange(rows + 1), cfg.head_dim, cfg.rope_theta, torch.float32)
+        self.register_buffer("_cos", cos, persistent=False)  # (positions, Dh)
+        self.register_buffer("_sin", sin, persistent=False)
 
     def _blocks(self) -> list[Block]:
         m = self.model
@@ -280,7 +287,9 @@ class ConceptMoEForCausalLM(nn.Module):
     # -- the pieces ------------------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_tables(positions.long(), self.cfg.head_dim, self.cfg.rope_theta, dtype)  # (N, Dh) each
+        """cos and sin (N, Dh) of ``positions``: rows of the tables ``rope_tables`` made once."""
+        pos = positions.long()
+        return self._cos[pos].to(dtype), self._sin[pos].to(dtype)
 
     def _concepts_dummy(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""

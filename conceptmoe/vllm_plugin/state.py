@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
 
 
 @dataclass
@@ -129,19 +129,44 @@ def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.
     k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
     crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
     slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
-    zs = z_tok.new_zeros(R, width, D)
-    ps = z_tok.new_zeros(R, width, 1)
-    zs[:, 0] = states.z[rows]
-    zs[crid, slot], ps[crid, slot, 0] = src.to(zs.dtype), c_p.to(zs.dtype)
-    for j in range(1, width):  # slot j: the request's j-th new concept (p = 0 past its last: z kept)
-        zs[:, j] = ps[:, j] * zs[:, j] + (1 - ps[:, j]) * zs[:, j - 1]
+    zs = z_tok.new_zeros(width, R, D)  # slot-major: slot j of every request, one block of rows
+    ps = z_tok.new_zeros(width, R, 1)
+    zs[0] = states.z[rows]
+    zs[slot, crid], ps[slot, crid, 0] = src.to(zs.dtype), c_p.to(zs.dtype)
+    ema_slots(zs, ps)
     rid = _request_of_token(batch, dev)  # (N,)
     seen = b.long().cumsum(0)  # boundaries up to each token, over the batch
     starts = torch.tensor(batch.starts, device=dev, dtype=torch.long)
     before = (seen - b.long())[starts] if R else seen[:0]  # (R,) boundaries before each request
-    z_tok[:rid.numel()] = zs[rid, seen - before[rid]]  # the concept each token reads (0: the kept z)
-    states.z[rows] = zs[torch.arange(R, device=dev), k]
+    z_tok[:rid.numel()] = zs[seen - before[rid], rid]  # the concept each token reads (0: the kept z)
+    states.z[rows] = zs[k, torch.arange(R, device=dev)]
     states.concepts[rows] += k
+
+
+def ema_slots(zs: torch.Tensor, ps: torch.Tensor) -> None:
+    """In place, slot by slot: zs[j] = ps[j] zs[j] + (1 - ps[j]) zs[j - 1] for j >= 1; zs (W, R, D),
+    ps (W, R, 1) (p = 0 leaves a slot's z as the one before).
+
+    The arithmetic of ``inference/steps.py``: the products p s and (1 - p) z each rounded, then
+    their sum. The p s of every slot and every 1 - p are computed at once; what must wait for the
+    slot before is one multiply and one add. On the CPU, in float32 or float64, those two run in
+    numpy: a torch call's dispatch costs more than its arithmetic at these sizes (a 2K-token chunk
+    has about a thousand slots)."""
+    if zs.shape[0] < 2:
+        return
+    a, q = ps * zs, 1 - ps
+    if zs.device.type == "cpu" and zs.dtype in (torch.float32, torch.float64):
+        a, q, z = a.numpy(), q.numpy(), zs.numpy()  # views: z writes into zs
+        tmp = np.empty_like(z[0])
+        for j in range(1, z.shape[0]):
+            np.multiply(q[j], z[j - 1], out=tmp)
+            np.add(a[j], tmp, out=z[j])
+        return
+    a, q, z = a.unbind(0), q.unbind(0), zs.unbind(0)
+    tmp = torch.empty_like(z[0])
+    for j in range(1, len(z)):
+        torch.mul(q[j], z[j - 1], out=tmp)
+        torch.add(a[j], tmp, out=z[j])
 
 
 def drop_requests(flagged: list[int], c_raw: torch.Tensor, c_pos: torch.Tensor, c_p: torch.Tensor,
