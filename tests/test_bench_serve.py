@@ -62,3 +62,27 @@ def test_vllm_bench_reports_the_median_repeat():
     report = {"rows": [row], "settings": {"repeats": 3, "kv_cache_mb": 1, "dtype": "fp32"},
               "machine": {"cpu_model": "c", "cpu_count": 2, "cpu_flags": [], "cpu_bf16": None}}
     assert "| 200.0 (100–300) |" in vllm_serve.format_table(report) and "median of 3" in vllm_serve.format_table(report)
+
+
+def test_a_metric_is_read_from_its_own_lines_only():
+    """``_metric`` sums one metric over its labels: not its HELP/TYPE lines, not a longer name
+    that starts with it."""
+    from conceptmoe.bench.vllm_serve import _metric
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="cm"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="cm"} 2.0',
+        'vllm:num_requests_running_max{engine="0"} 40.0',
+        "vllm:num_preemptions_total 7.0",
+    ])
+
+    class Http:
+        def get(self, url, timeout):
+            assert url == "http://x/metrics"
+            return type("R", (), {"text": text})()
+
+    assert _metric("http://x", "vllm:num_requests_running", Http()) == 5.0
+    assert _metric("http://x", "vllm:num_preemptions_total", Http()) == 7.0
+    assert _metric("http://x", "vllm:absent", Http()) == 0.0

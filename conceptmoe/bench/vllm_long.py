@@ -102,7 +102,7 @@ def run_vllm_long_bench(s: ServeBenchSettings, held_out: list[int], lens: list[i
                         print(f"bench serve (vLLM, long prompts): L={L} {budget} {run} (round {i + 1} of {repeats})",
                               file=sys.stderr, flush=True)
                         if budget == "bound":
-                            got.setdefault((run, L, "alone"), []).append(measure(url, run, alone[L], s))
+                            got.setdefault((run, L, "alone"), []).append(measure(url, run, alone[L], s, running=False))
                         got.setdefault((run, L, budget), []).append(measure(url, run, want[L], s))
         finally:
             for *_, proc, _url in servers:
