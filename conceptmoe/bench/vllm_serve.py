@@ -127,6 +127,8 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
     samples, stop = [], threading.Event()
 
     def poll():
+        if not running:
+            return
         with httpx.Client() as http:
             while not stop.wait(POLL_S):
                 try:
@@ -135,14 +137,12 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
                     pass
     before = _metric(url, "vllm:num_preemptions_total")
     poller = threading.Thread(target=poll, daemon=True)
-    if running:
-        poller.start()
+    poller.start()
     try:
         results, wall = asyncio.run(_drive(url, reqs, s, extra or {}))
     finally:
         stop.set()
-        if running:
-            poller.join(5)
+        poller.join(5)
     out = sum(r["tokens"] for r in results)
     return {"label": label, "engine": "vllm", "requests": len(results), "seconds": wall,
             "request_throughput": len(results) / wall, "output_tokens": out, "output_tokens_per_s": out / wall,

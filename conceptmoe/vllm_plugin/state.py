@@ -156,17 +156,13 @@ def ema_slots(zs: torch.Tensor, ps: torch.Tensor) -> None:
         return
     a, q = ps * zs, 1 - ps
     if zs.device.type == "cpu" and zs.dtype in (torch.float32, torch.float64):
-        a, q, z = a.numpy(), q.numpy(), zs.numpy()  # views: z writes into zs
-        tmp = np.empty_like(z[0])
-        for j in range(1, z.shape[0]):
-            np.multiply(q[j], z[j - 1], out=tmp)
-            np.add(a[j], tmp, out=z[j])
-        return
-    a, q, z = a.unbind(0), q.unbind(0), zs.unbind(0)
-    tmp = torch.empty_like(z[0])
+        a, q, z, lib = a.numpy(), q.numpy(), zs.numpy(), np  # views: z writes into zs
+    else:
+        a, q, z, lib = a.unbind(0), q.unbind(0), zs.unbind(0), torch
+    tmp = lib.empty_like(z[0])
     for j in range(1, len(z)):
-        torch.mul(q[j], z[j - 1], out=tmp)
-        torch.add(a[j], tmp, out=z[j])
+        lib.multiply(q[j], z[j - 1], out=tmp)
+        lib.add(a[j], tmp, out=z[j])
 
 
 def drop_requests(flagged: list[int], c_raw: torch.Tensor, c_pos: torch.Tensor, c_p: torch.Tensor,
