@@ -74,21 +74,21 @@ class FeedbackTable:
             self.table[:] = 0
 
     # -- sequence-locked stores and loads ---------------------------------------------------------
+    # Few numpy calls each: the model reads and writes every request's entry once a step, the
+    # scheduler reads it per request, and at a few rows a step's Python is what costs.
 
     def _store(self, keys, col: int, values: list) -> None:
         t = self.table
-        t[keys, col] += 1  # odd: a write is under way
-        for i, v in enumerate(values, 1):
-            t[keys, col + i] = v
+        t[keys, col] += 1  # odd: a write under way
+        t[keys, col + 1:col + 1 + len(values)] = np.stack(values, -1) if np.ndim(keys) else values
         t[keys, col] += 1
 
     def _load(self, keys, col: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(values (K, n), whether each read is whole)."""
         t = self.table
-        before = t[keys, col].copy()
-        vals = t[keys, col + 1:col + 1 + n].copy()
-        ok = (t[keys, col] == before) & (before % 2 == 0)
-        return vals, ok
+        got = t[keys, col:col + 1 + n]  # the sequence number first, then the values: a copy
+        ok = (t[keys, col] == got[..., 0]) & (got[..., 0] % 2 == 0)
+        return got[..., 1:], ok
 
     # -- grants: scheduler -> model ---------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class FeedbackTable:
     # -- reports: model -> scheduler --------------------------------------------------------------
 
     def report_many(self, keys: np.ndarray, epochs, tokens, concepts, flags) -> None:
-        self._store(keys, _R, [epochs, tokens, concepts, flags])
+        self._store(keys, _R, [np.asarray(v, dtype=np.int64) for v in (epochs, tokens, concepts, flags)])
 
     def reports(self, keys, epochs) -> tuple[np.ndarray, np.ndarray]:
         """((K, 3): T, C, flag per key; (K,) whether each is a whole report made under that key's
@@ -115,8 +115,11 @@ class FeedbackTable:
 
     def report(self, key: int, epoch: int) -> tuple[int, int, int] | None:
         """(T, C, flag) reported under ``epoch`` for ``key`` (None: none that ``reports`` accepts)."""
-        vals, ok = self.reports(key, epoch)
-        return tuple(int(v) for v in vals) if ok else None
+        t = self.table
+        seq, got, tokens, concepts, flag = t[key, _R:_R + 5].tolist()
+        if seq % 2 or int(t[key, _R]) != seq or epoch <= 0 or got != epoch:
+            return None
+        return tokens, concepts, flag
 
     def clear(self, key: int) -> None:
         self._store(key, _G, [0, 0, 0])

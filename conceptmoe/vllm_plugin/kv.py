@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from .feedback import BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackTable, shared_table
-from .state import Batch, RequestStates
+from .state import Batch, RequestStates, host, on
 
 logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 
@@ -133,6 +133,7 @@ class ConceptAttentionManager(FullAttentionManager):
         self.rates: dict[str, float] = {}  # request id -> 1/R (the scheduler's, per request)
         self.safe: set[str] = set()  # requests recomputed at the safe bound
         self.epochs: dict[str, int] = {}
+        self._granted: dict[str, tuple[int, int, int, int]] = {}  # the last grant written, per request
         self.margin, self.pad = _estimate_terms()
 
     def _report(self, request_id: str) -> tuple[int, int] | None:
@@ -179,12 +180,16 @@ class ConceptAttentionManager(FullAttentionManager):
             self.epochs[request_id] = next(_EPOCHS)
         capacity = len(held) * self.block_size
         mode = (ESTIMATED if capacity < bound else 0) | (HANDLED if self.estimates else 0)
-        self._table.grant(held[0].block_id, self.epochs[request_id], capacity, mode)
+        grant = (held[0].block_id, self.epochs[request_id], capacity, mode)
+        if self._granted.get(request_id) != grant:  # most steps change nothing: no write
+            self._table.grant(*grant)
+            self._granted[request_id] = grant
         return new
 
     def pop_blocks_for_free(self, request_id: str):
         blocks = super().pop_blocks_for_free(request_id)
         self.epochs.pop(request_id, None)
+        self._granted.pop(request_id, None)
         if blocks:
             self._table.clear(blocks[0].block_id)
         return blocks
@@ -204,6 +209,7 @@ class ConceptCache:
         self.vllm_config, self.layers = vllm_config, layers
         self._builder = None
         self._feedback: FeedbackTable | None = None
+        self._per_block: int | None = None
 
     def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
         """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
@@ -211,19 +217,20 @@ class ConceptCache:
         their concepts, slots = the concept positions in the group's blocks (checked against the
         grants first: ``admit``)."""
         ctx = get_forward_context()
-        live = [r for r, k in enumerate(counts) if k]
-        dev = c_pos.device
-        qsl = torch.tensor([0] + [counts[r] for r in live], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        seq = torch.tensor([firsts[r] + counts[r] for r in live], dtype=torch.int32)
-        req = torch.repeat_interleave(torch.tensor(live, device=dev), torch.tensor([counts[r] for r in live],
-                                                                                  device=dev))  # (M,)
+        counts = np.asarray(counts, dtype=np.int64)
+        live = np.flatnonzero(counts)
+        k = counts[live]
+        dev, cpos = c_pos.device, host(c_pos)
+        qsl = torch.from_numpy(np.concatenate([[0], k.cumsum()]).astype(np.int32))
+        seq = torch.from_numpy((np.asarray(firsts, dtype=np.int64)[live] + k).astype(np.int32))
+        req = np.repeat(live, k)  # (M,) the batch row of each concept
+        kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
         for names, table in groups:
-            kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
-            bt = table[torch.tensor(live, device=table.device)]
-            slots = table[req, c_pos // kbs].long() * kbs + c_pos % kbs  # (M,)
+            slots = on(host(table)[req, cpos // kbs].astype(np.int64) * kbs + cpos % kbs, dev)  # (M,)
+            bt = table[:live.size] if live.size == len(counts) else table[on(live, table.device)]
             common = CommonAttentionMetadata(
-                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=len(live),
-                num_actual_tokens=int(c_pos.numel()), max_query_len=max(counts), max_seq_len=int(seq.max()),
+                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=int(live.size),
+                num_actual_tokens=int(cpos.size), max_query_len=int(k.max()), max_seq_len=int(seq.max()),
                 block_table_tensor=bt, slot_mapping=slots, causal=True)
             cmd = self._metadata_builder().build(0, common)
             for name in names:
@@ -241,9 +248,9 @@ class ConceptCache:
 
     def _keys(self, table: torch.Tensor, n: int) -> np.ndarray:
         """The feedback keys of the first ``n`` requests: their first block, in the scheduler's units."""
-        kbs = self.layers[0].kv_cache.shape[2]
-        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
-        return table[:n, 0].cpu().numpy() // per_block
+        if self._per_block is None:  # kernel blocks per block
+            self._per_block = max(1, self.vllm_config.cache_config.block_size // self.layers[0].kv_cache.shape[2])
+        return host(table[:n, 0]) // self._per_block
 
     def grants(self, groups, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 3: epoch,
@@ -277,7 +284,7 @@ class ConceptCache:
                flags) -> None:
         """(epoch, tokens, concepts, flag) of every request, for the concept groups' managers."""
         table = self.feedback_table()
-        concepts = states.concepts[batch.rows].cpu().numpy()
+        concepts = states.concepts.numpy()[batch.rows]
         tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
         for k, g in zip(keys, grants):
             table.report_many(k, g[:, 0], tokens, concepts, flags)

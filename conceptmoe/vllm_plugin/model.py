@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -54,7 +55,7 @@ from .dense import BlockLinears, run_block
 from .kv import ConceptAttention, ConceptCache
 from .refuse import compiles, refuse_backend, refuse_unsupported
 from .ratio import repeat_terms, row_ratios
-from .state import Batch, RequestStates, dechunk, drop_requests, gather_concepts
+from .state import Batch, RequestStates, dechunk, decoding, drop_requests, gather_concepts, on
 
 
 def _shape_guards(entries) -> list[bool]:
@@ -322,18 +323,17 @@ class ConceptMoEForCausalLM(nn.Module):
         (a chunk's first token, where the request goes on) and that key, the ratio terms per token.
         Without a step (warm-up), inputs of the same kinds and shapes."""
         n, dev = h.shape[0], h.device
-        carry, at = torch.zeros(n, dtype=torch.bool, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
         if step is None:
+            carry = torch.zeros(n, dtype=torch.bool, device=dev)
             kept = h.new_zeros(n, h.shape[1], dtype=torch.float32)
             terms = repeat_terms(self.model.ratio_terms(None, 1, dev, self.extrapolate) if self.model.ratio_embed
                                  is not None else None, [n])
         else:
             b = step.batch
-            going = [(s, row) for s, row, done in zip(b.starts, b.rows, b.done) if done]
-            if going:
-                first, rows = (list(t) for t in zip(*going))
-                carry[first], at[first] = True, torch.tensor(rows, device=dev)
-            kept = step.states.last_key[at]
+            going, first = np.asarray(b.done) > 0, np.asarray(b.starts, dtype=np.int64)
+            carry_np, at = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+            carry_np[first], at[first] = going, b.rows  # a chunk's first token, where its request goes on
+            carry, kept = on(carry_np, dev), step.states.last_key[on(at, dev)]
             terms = repeat_terms(step.terms, [e - s for s, e in zip(b.starts, b.ends)])
         return pos, carry, kept, *((None, None) if terms is None else (terms.router, terms.shift))
 
@@ -348,7 +348,6 @@ class ConceptMoEForCausalLM(nn.Module):
         if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
             c_raw, c_pos, c_p, counts, b = drop_requests(flags.nonzero()[0].tolist(), c_raw, c_pos, c_p, counts,
                                                          b, batch)
-        z_tok = h.new_zeros(h.shape)
         if c_raw.shape[0]:
             c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
             c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
@@ -357,10 +356,10 @@ class ConceptMoEForCausalLM(nn.Module):
             src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
         else:
             src = h.new_zeros(0, h.shape[1])
-        dechunk(z_tok, src, c_p, b, batch, counts, states)
-        if keys is not None:
-            ends = torch.tensor(batch.ends, device=h.device) - 1
-            states.last_key[batch.rows] = keys[ends]
+        z_tok = dechunk(src, c_p, b, batch, counts, states)
+        if keys is not None:  # each request's last key (a decode step: every token is one)
+            last = keys if decoding(batch) else keys[on(np.asarray(batch.ends, dtype=np.int64) - 1, h.device)]
+            states.last_key[on(np.asarray(batch.rows, dtype=np.int64), h.device)] = last
         self._cache.report(fed, grants, batch, states, flags)
         return z_tok
 

@@ -19,19 +19,21 @@ import torch
 
 @dataclass
 class RequestStates:
-    """Per-request chunk and dechunk state, one row per concept block."""
+    """Per-request chunk and dechunk state, one row per concept block. The concept counts are
+    bookkeeping, kept on the host (numpy reads them without a device op or sync); the vectors
+    live where the model does."""
 
     last_key: torch.Tensor  # (blocks, D) fp32: W_k ĥ of the request's last token
     z: torch.Tensor  # (blocks, D) the dechunk EMA after the request's last concept
     pool_sum: torch.Tensor  # (blocks, D) mean pooling: tokens since the last boundary, summed
     pool_count: torch.Tensor  # (blocks,) long
-    concepts: torch.Tensor  # (blocks,) long: the request's concepts so far
+    concepts: torch.Tensor  # (blocks,) long, on the CPU: the request's concepts so far
 
     @classmethod
     def empty(cls, blocks: int, d: int, dtype: torch.dtype, device: torch.device) -> "RequestStates":
         zeros = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         return cls(zeros(blocks, d, dt=torch.float32), zeros(blocks, d), zeros(blocks, d),
-                   zeros(blocks, dt=torch.long), zeros(blocks, dt=torch.long))
+                   zeros(blocks, dt=torch.long), torch.zeros(blocks, dtype=torch.long))
 
     def reset(self, rows: list[int]) -> None:
         for t in (self.last_key, self.z, self.pool_sum, self.pool_count, self.concepts):
@@ -48,6 +50,20 @@ class Batch:
     rows: list[int]  # state row (first concept block, worker units) of each request
 
 
+def host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array: a view on the CPU, a copy from another device.
+
+    The concept step's indices (which token starts a concept, of which request, at which slot)
+    are worked out here, on the host: a torch call costs more to dispatch than these few
+    integers cost to compute, and a step needs its counts on the host anyway."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def on(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` (shared memory on the CPU)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
 def gather_concepts(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Batch, states: RequestStates,
                     mean: bool):
     """Each request's new concepts, in batch order: raw inputs (M, D), concept positions (M,),
@@ -55,21 +71,22 @@ def gather_concepts(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Ba
     ``mean``: a concept is the mean of its tokens (else the boundary token's state). h, b, p: the
     batch's N real tokens."""
     dev = h.device
-    rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
-    at = b.nonzero().flatten()  # (M,) boundary tokens, grouped by request in batch order
-    firsts = states.concepts[rows]  # (R,)
+    bn = host(b)
+    at = np.flatnonzero(bn)  # (M,) boundary tokens, grouped by request in batch order
+    firsts = states.concepts.numpy()[batch.rows]  # (R,)
     if decoding(batch):  # one token a request: token r is request r's, at most one concept each
-        crid, counts, rank = at, b.long(), 0
+        crid, counts, rank = at, bn.astype(np.int64), 0
     else:
-        crid = _request_of_token(batch, dev)[at]
-        counts = torch.bincount(crid, minlength=len(batch.rows))  # (R,)
-        rank = torch.arange(at.numel(), device=dev) - (counts.cumsum(0) - counts)[crid]  # within its request
+        crid = request_of_token(batch)[at]
+        counts = np.bincount(crid, minlength=len(batch.rows))  # (R,)
+        rank = np.arange(at.size) - (counts.cumsum() - counts)[crid]  # within its request
+    at_t = on(at, dev)
     if mean:
         raw = torch.cat([mean_pool(h[s:e], b[s:e].nonzero().flatten(), states, row)
                          for s, e, row in zip(batch.starts, batch.ends, batch.rows)]) if batch.rows else h[:0]
     else:
-        raw = h[at]
-    return raw, firsts[crid] + rank, p[at], counts.tolist(), firsts.tolist()
+        raw = h[at_t]
+    return raw, on(firsts[crid] + rank, dev), p[at_t], counts.tolist(), firsts.tolist()
 
 
 def decoding(batch: Batch) -> bool:
@@ -77,10 +94,10 @@ def decoding(batch: Batch) -> bool:
     return len(batch.starts) == (batch.ends[-1] if batch.ends else 0)
 
 
-def _request_of_token(batch: Batch, device: torch.device) -> torch.Tensor:
+def request_of_token(batch: Batch) -> np.ndarray:
     """(N,) the request (batch index) each real token belongs to."""
-    lens = torch.tensor([e - s for s, e in zip(batch.starts, batch.ends)], device=device, dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+    lens = np.asarray(batch.ends, dtype=np.int64) - np.asarray(batch.starts, dtype=np.int64)
+    return np.repeat(np.arange(len(lens)), lens)
 
 
 def mean_pool(hs: torch.Tensor, idx: torch.Tensor, states: RequestStates, row: int) -> torch.Tensor:
@@ -103,44 +120,44 @@ def mean_pool(hs: torch.Tensor, idx: torch.Tensor, states: RequestStates, row: i
     return sums / cnt[:, None]
 
 
-def dechunk(z_tok: torch.Tensor, src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor,
-            batch: Batch, counts: list[int], states: RequestStates) -> None:
+def dechunk(src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor, batch: Batch, counts: list[int],
+            states: RequestStates) -> torch.Tensor:
     """z_j = p_j src_j + (1 - p_j) z_{j-1} over each request's concepts, from its kept z; every
-    token gets the z of its latest concept (its request's kept z before the first). Writes z_tok
-    (N, D) in place and advances each request's state.
+    token gets the z of its latest concept (its request's kept z before the first). Returns z_tok
+    (N, D), the batch's N real tokens, and advances each request's state.
 
     The recurrence runs concept by concept, all requests at once, as ``inference/steps.py`` runs
     it token by token: a decode step (at most one new concept per request) is one update, and a
     request's z does not depend on what else is in the batch (a scan over the batch's widest
     request would round differently with the width)."""
-    dev = z_tok.device
-    R = len(counts)
-    rows = torch.tensor(batch.rows, device=dev, dtype=torch.long)
+    dev, R = states.z.device, len(counts)
+    bn, k = host(b).astype(np.int64), np.asarray(counts, dtype=np.int64)
+    rows = np.asarray(batch.rows, dtype=np.int64)
+    rows_t = on(rows, dev)
     if decoding(batch):  # token r is request r's, at most one concept each: one update, the same arithmetic
-        z, ps = states.z[rows], c_p.to(z_tok.dtype)[:, None]
-        at = b.nonzero().flatten()
-        z_new = z.clone()
-        z_new[at] = ps * src.to(z.dtype) + (1 - ps) * z[at]
-        z_tok[:R] = z_new
-        states.z[rows] = z_new
-        states.concepts[rows] += b.long()
-        return
-    D, width = z_tok.shape[1], 1 + max(counts, default=0)
-    k = torch.tensor(counts, device=dev, dtype=torch.long)  # (R,)
-    crid = torch.repeat_interleave(torch.arange(R, device=dev), k)  # (M,) request of each concept
-    slot = 1 + torch.arange(crid.numel(), device=dev) - (k.cumsum(0) - k)[crid]
-    zs = z_tok.new_zeros(width, R, D)  # slot-major: slot j of every request, one block of rows
-    ps = z_tok.new_zeros(width, R, 1)
-    zs[0] = states.z[rows]
-    zs[slot, crid], ps[slot, crid, 0] = src.to(zs.dtype), c_p.to(zs.dtype)
+        at = np.flatnonzero(bn)
+        if at.size:
+            some = on(rows[at], dev)
+            z, ps = states.z[some], c_p.to(states.z.dtype)[:, None]
+            states.z[some] = ps * src.to(z.dtype) + (1 - ps) * z
+        states.concepts.numpy()[rows] += bn
+        return states.z[rows_t]
+    D, width = states.z.shape[1], 1 + int(k.max(initial=0))
+    crid = np.repeat(np.arange(R), k)  # (M,) request of each concept
+    slot = 1 + np.arange(crid.size) - (k.cumsum() - k)[crid]
+    zs = states.z.new_zeros(width, R, D)  # slot-major: slot j of every request, one block of rows
+    ps = states.z.new_zeros(width, R, 1)
+    zs[0] = states.z[rows_t]
+    cells = (on(slot, dev), on(crid, dev))
+    zs[cells], ps[cells] = src.to(zs.dtype), c_p.to(zs.dtype)[:, None]
     ema_slots(zs, ps)
-    rid = _request_of_token(batch, dev)  # (N,)
-    seen = b.long().cumsum(0)  # boundaries up to each token, over the batch
-    starts = torch.tensor(batch.starts, device=dev, dtype=torch.long)
-    before = (seen - b.long())[starts] if R else seen[:0]  # (R,) boundaries before each request
-    z_tok[:rid.numel()] = zs[seen - before[rid], rid]  # the concept each token reads (0: the kept z)
-    states.z[rows] = zs[k, torch.arange(R, device=dev)]
-    states.concepts[rows] += k
+    rid = request_of_token(batch)  # (N,)
+    seen = bn.cumsum()  # boundaries up to each token, over the batch
+    before = (seen - bn)[np.asarray(batch.starts, dtype=np.int64)]  # (R,) boundaries before each request
+    z_tok = zs[on(seen - before[rid], dev), on(rid, dev)]  # the concept each token reads (0: the kept z)
+    states.z[rows_t] = zs[on(k, dev), on(np.arange(R), dev)]
+    states.concepts.numpy()[rows] += k
+    return z_tok
 
 
 def ema_slots(zs: torch.Tensor, ps: torch.Tensor) -> None:
