@@ -5,7 +5,8 @@
   different lengths, token for token what ``model.generate`` gives each alone, with chunked
   prefill forced small (prompts split across steps, across boundary decisions) and with a KV budget
   that binds (requests wait, and are preempted); the ConceptMoE compiled (its token-rate and
-  concept stacks through inductor), the elastic run eager.
+  concept stacks through inductor), the elastic run eager and compiled, its four concept layers in
+  two KV-cache groups.
 - vLLM's accounting reflects the concept cache: at the same KV bytes its "KV cache size" is
   1/(KV ratio) times the MoE's.
 
@@ -38,7 +39,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     concept_run(root / "moe", kind="moe", seq_len=128, **SHAPE)
     concept_run(root / "cm", seq_len=128, **SHAPE)
-    concept_run(root / "elastic", seed=1, seq_len=128, elastic_ratios=[2.0, 4.0], ratio_embedding="router+concept", **SHAPE)
+    # four concept layers against two token layers: vLLM gives them two KV-cache groups (the
+    # concept metadata is built once and given each group's blocks)
+    concept_run(root / "elastic", seed=1, seq_len=128, elastic_ratios=[2.0, 4.0], ratio_embedding="router+concept",
+                n_layers=6, **SHAPE)
     return root
 
 

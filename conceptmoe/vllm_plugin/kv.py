@@ -26,6 +26,8 @@ estimate use) counts max_model_len / R concepts.
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import logging
 import math
@@ -67,12 +69,48 @@ class ConceptAttentionSpec(AttentionSpec):
         return cdiv(concepts, self.block_size) * self.page_size_bytes
 
 
+class TableOnly:
+    """What vLLM's runner builds for a concept group each step: the group's block table (kernel
+    blocks), nothing else. Its token-rate metadata would be thrown away: the model builds the
+    concept-rate metadata itself (``ConceptCache.install_metadata``)."""
+
+    __slots__ = ("block_table",)
+
+    def __init__(self, block_table: torch.Tensor) -> None:
+        self.block_table = block_table
+
+
+@functools.cache
+def concept_backend(backend: type) -> type:
+    """``backend`` (vLLM's attention backend class) with a metadata builder that only passes the
+    block table on (``TableOnly``): the runner's per-step build for a concept group costs nothing.
+    The layers' kernels (``get_impl_cls``) and KV layout are the backend's own."""
+    real = backend.get_builder_cls()
+
+    class ConceptGroupBuilder(real):
+        supports_update_block_table = True  # the runner then hands the other concept groups their tables
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
+            return TableOnly(common_attn_metadata.block_table_tensor)
+
+        def update_block_table(self, metadata, blk_table, slot_mapping):
+            return TableOnly(blk_table)
+
+    return type(f"Concept{backend.__name__}", (backend,),
+                {"get_builder_cls": staticmethod(lambda: ConceptGroupBuilder), "__module__": __name__})
+
+
 class ConceptAttention(Attention):
     """A concept layer's attention: vLLM's, with a KV spec counted in concepts."""
 
     def __init__(self, *args, compression: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.compression = compression
+
+    def get_attn_backend(self):
+        """What vLLM's runner builds the group's metadata with (``concept_backend``); the layer
+        itself runs on ``attn_backend``, vLLM's."""
+        return concept_backend(self.attn_backend)
 
     def get_kv_cache_spec(self, vllm_config):
         full = super().get_kv_cache_spec(vllm_config)
@@ -225,17 +263,31 @@ class ConceptCache:
         seq = torch.from_numpy((np.asarray(firsts, dtype=np.int64)[live] + k).astype(np.int32))
         req = np.repeat(live, k)  # (M,) the batch row of each concept
         kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
+        cmd = None
         for names, table in groups:
             slots = on(host(table)[req, cpos // kbs].astype(np.int64) * kbs + cpos % kbs, dev)  # (M,)
             bt = table[:live.size] if live.size == len(counts) else table[on(live, table.device)]
-            common = CommonAttentionMetadata(
-                query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=int(live.size),
-                num_actual_tokens=int(cpos.size), max_query_len=int(k.max()), max_seq_len=int(seq.max()),
-                block_table_tensor=bt, slot_mapping=slots, causal=True)
-            cmd = self._metadata_builder().build(0, common)
+            if cmd is None:  # built once: the groups differ in their tables only
+                common = CommonAttentionMetadata(
+                    query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
+                    num_reqs=int(live.size), num_actual_tokens=int(cpos.size), max_query_len=int(k.max()),
+                    max_seq_len=int(seq.max()), block_table_tensor=bt, slot_mapping=slots, causal=True)
+                cmd = self._metadata_builder().build(0, common)
+            else:
+                cmd = self._retable(cmd, bt, slots)
             for name in names:
                 ctx.attn_metadata[name] = cmd
                 ctx.slot_mapping[name] = slots
+
+    def _retable(self, cmd, table: torch.Tensor, slots: torch.Tensor):
+        """``cmd`` for another concept group: its block table and slots. The backends the concept
+        layers run on (``refuse.TESTED_BACKENDS``) keep nothing else that depends on them."""
+        builder = self._metadata_builder()
+        if builder.supports_update_block_table:
+            return builder.update_block_table(cmd, table, slots)
+        cmd = copy.copy(cmd)
+        cmd.block_table, cmd.slot_mapping = table, slots
+        return cmd
 
     def _metadata_builder(self):
         if self._builder is None:
