@@ -265,7 +265,7 @@ class ConceptCache:
         kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
         cmd = None
         for names, table in groups:
-            slots = on(host(table)[req, cpos // kbs].astype(np.int64) * kbs + cpos % kbs, dev)  # (M,)
+            slots = self._slots(table, req, cpos, kbs, dev)  # (M,)
             bt = table[:live.size] if live.size == len(counts) else table[on(live, table.device)]
             if cmd is None:  # built once: the groups differ in their tables only
                 common = CommonAttentionMetadata(
@@ -278,6 +278,16 @@ class ConceptCache:
             for name in names:
                 ctx.attn_metadata[name] = cmd
                 ctx.slot_mapping[name] = slots
+
+    @staticmethod
+    def _slots(table: torch.Tensor, req: np.ndarray, cpos: np.ndarray, kbs: int, dev) -> torch.Tensor:
+        """Each concept's slot: its block (a kernel block of ``kbs`` slots) from its request's row of
+        ``table``, then its place in that block. On the CPU in numpy on a view of the table; on
+        another device there, without copying the table to the host."""
+        if table.device.type == "cpu":
+            return on(table.numpy()[req, cpos // kbs].astype(np.int64) * kbs + cpos % kbs, dev)
+        pos = on(cpos, table.device)
+        return table[on(req, table.device), pos // kbs].long() * kbs + pos % kbs
 
     def _retable(self, cmd, table: torch.Tensor, slots: torch.Tensor):
         """``cmd`` for another concept group: its block table and slots. The backends the concept
