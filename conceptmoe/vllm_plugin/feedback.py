@@ -104,7 +104,7 @@ class FeedbackTable:
     # -- reports: model -> scheduler --------------------------------------------------------------
 
     def report_many(self, keys: np.ndarray, epochs, tokens, concepts, flags) -> None:
-        self._store(keys, _R, [np.asarray(v, dtype=np.int64) for v in (epochs, tokens, concepts, flags)])
+        self._store(keys, _R, [epochs, tokens, concepts, flags])
 
     def reports(self, keys, epochs) -> tuple[np.ndarray, np.ndarray]:
         """((K, 3): T, C, flag per key; (K,) whether each is a whole report made under that key's

@@ -247,7 +247,6 @@ class ConceptCache:
         self.vllm_config, self.layers = vllm_config, layers
         self._builder = None
         self._feedback: FeedbackTable | None = None
-        self._per_block: int | None = None
 
     def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
         """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
@@ -310,9 +309,9 @@ class ConceptCache:
 
     def _keys(self, table: torch.Tensor, n: int) -> np.ndarray:
         """The feedback keys of the first ``n`` requests: their first block, in the scheduler's units."""
-        if self._per_block is None:  # kernel blocks per block
-            self._per_block = max(1, self.vllm_config.cache_config.block_size // self.layers[0].kv_cache.shape[2])
-        return host(table[:n, 0]) // self._per_block
+        kbs = self.layers[0].kv_cache.shape[2]
+        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
+        return host(table[:n, 0]) // per_block
 
     def grants(self, groups, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 3: epoch,
