@@ -230,3 +230,24 @@ def test_launcher_flags(tmp_path):
     assert choose_kv_bytes(20 * gib, gib) == (17 * gib) // 4
     assert choose_kv_bytes(gib, gib) == 256 * 2 ** 20  # little to give: the built-in server's 256 MiB
     assert choose_kv_bytes(1000 * gib, gib) == 16 * gib
+
+
+def test_stages_of_one_method_keep_their_own_graphs():
+    """Two stages compiled from one method with the same options share dynamo's cache entries (the
+    decode step's graph for one concept, that size specialized, and its graph for several). The
+    guards a stage keeps (``model._shape_guards``: not the weights') must tell them apart; with the
+    shape guards alone, the several-concept call ran the one-concept graph (vLLM turns inductor's
+    size asserts off: a heap overrun there)."""
+    from conceptmoe.vllm_plugin.model import _shape_guards
+
+    lin = torch.nn.Linear(8, 8)
+
+    def f(h, at):
+        return lin(h[at]) * 2
+
+    h = torch.randn(6, 8)
+    with torch.no_grad():
+        one, several = (torch.compile(f, dynamic=True, options={"guard_filter_fn": _shape_guards}) for _ in "ab")
+        for g, at in [(one, [1]), (several, [1, 2]), (one, [4]), (several, [0, 3, 5]), (one, [2])]:
+            at = torch.tensor(at)
+            torch.testing.assert_close(g(h, at), f(h, at))

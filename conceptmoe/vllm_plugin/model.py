@@ -55,12 +55,17 @@ from .dense import BlockLinears, run_block
 from .kv import ConceptAttention, ConceptCache
 from .refuse import compiles, refuse_backend, refuse_unsupported
 from .ratio import repeat_terms, row_ratios
-from .state import Batch, RequestStates, dechunk, decoding, drop_requests, gather_concepts, on
+from .state import (Batch, RequestStates, concept_inputs, dechunk, decoding, drop_requests, ema_update, host,
+                    locate_concepts, on)
 
 
 def _shape_guards(entries) -> list[bool]:
-    """Dynamo keeps a compiled stage's shape guards only (``_stage``)."""
-    return [e.guard_type == "SHAPE_ENV" for e in entries]
+    """Dynamo keeps a compiled stage's shape guards and its arguments' tensor guards (sizes, dtype,
+    device: a handful), not the guards of the weights it reads (``_stage``). Two stages compiled
+    from one method with the same options share dynamo's cache entries: the arguments' guards are
+    what tells the decode step's graph for one concept (its size specialized) from the one for several."""
+    return [e.guard_type == "SHAPE_ENV" or (e.guard_type == "TENSOR_MATCH" and e.name.isidentifier())
+            for e in entries]
 
 
 class _Step(NamedTuple):
@@ -218,13 +223,12 @@ class ConceptMoEForCausalLM(nn.Module):
         # would trace as such (its base's size, its dispatch keys), unlike the concepts' positions
         h, pos = x[:n], positions[:n].clone()
         h, p, keys = self._stage("encoder", n)(h, *self._route_inputs(h, pos, step))
-        z = self._concepts_dummy(h, pos) if step is None else self._concepts(h, p, keys, step)
-        out = self._stage("decoder", n)(h, z, pos)
+        out = self._concepts_dummy(h, p, pos) if step is None else self._concepts(h, p, keys, pos, step)
         return out if n == x.shape[0] else torch.cat([out, out.new_zeros(x.shape[0] - n, out.shape[1])])
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
-    def _stage(self, name: str, rows: int):
+    def _stage(self, name: str, rows: int, concepts: int | None = None):
         """A stage as a function: compiled with inductor when vLLM compiles, else the method itself.
         Only the concept step between the stages (gathering, metadata, dechunking: data-dependent
         shapes) stays eager.
@@ -235,11 +239,12 @@ class ConceptMoEForCausalLM(nn.Module):
         one-row decode step's arithmetic (a check per weight); only the shape guards of the
         dynamic graph are kept. What they would check does not change while vLLM serves: the
         weights, dtypes, the model's options, no-grad. The warm-up runs each stage on one row
-        and on many, so no stage compiles while requests wait."""
+        and on many, so no stage compiles while requests wait. ``concepts``: the decode step's graph
+        (``_tail``) has a graph of its own for one concept too (torch specializes that size)."""
         fn = getattr(self, f"_{name}")
         if not self._compile:
             return fn
-        key = (name, rows == 1)
+        key = (name, rows == 1, concepts == 1)
         if key not in self._compiled:
             self._compiled[key] = torch.compile(fn, dynamic=rows != 1, backend="inductor",
                                                 options={**self._inductor, "guard_filter_fn": _shape_guards})
@@ -278,6 +283,19 @@ class ConceptMoEForCausalLM(nn.Module):
             h = run_block(blk, lin, attn, fused, h, cos, sin, z)
         return self.model.norm(h)
 
+    def _tail(self, h: torch.Tensor, p: torch.Tensor, pos: torch.Tensor, at: torch.Tensor, c_pos: torch.Tensor,
+              z: torch.Tensor, c_terms: torch.Tensor | None):
+        """A decode step after the router, as one graph: the concepts the tokens ``at`` (M,) close
+        (a request's one token closes one at most) through the concept stack at ``c_pos``, each
+        request's z (N, D) stepped where it has a new concept, the decoder. The same arithmetic as
+        the eager step (``_concepts``). Returns the decoder's output and the new z (N, D)."""
+        c_raw = h[at]
+        c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
+        c = self._concept(c_in, c_pos)
+        src = c - c_in if self.cfg.dechunk_source == "update" else c - (c_in - c_raw)
+        z = z.index_put((at,), ema_update(p[at], src, z[at]))
+        return self._decoder(h, z, pos), z
+
     def _concept(self, c: torch.Tensor, c_pos: torch.Tensor) -> torch.Tensor:
         """The concept blocks (times their loops) on the flat batch of new concepts c (M, D)."""
         cos, sin = self._rope(c_pos, c.dtype)
@@ -292,9 +310,20 @@ class ConceptMoEForCausalLM(nn.Module):
         pos = positions.long()
         return self._cos[pos].to(dtype), self._sin[pos].to(dtype)
 
-    def _concepts_dummy(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling."""
-        return self._stage("concept", h.shape[0])(h, pos) - h
+    def _concepts_dummy(self, h: torch.Tensor, p: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Every token a concept, nothing kept: the largest concept batch, for vLLM's profiling.
+        Compiled, the decode step's graphs are warmed too: one concept, and several but fewer than
+        the rows (torch gives equal sizes one symbol, and would then recompile for unequal ones)."""
+        n = h.shape[0]
+        z = self._stage("concept", n)(h, pos) - h
+        if self._compile:
+            terms = None if self.model.ratio_embed is None else self.model.ratio_terms(None, 1, h.device,
+                                                                                      self.extrapolate)
+            for m in [1] + ([2] if n > 2 else []):
+                c_terms = None if terms is None else repeat_terms(terms, [m]).concept
+                at = torch.arange(m, device=h.device)
+                self._stage("tail", n, m)(h, p, pos, at, pos[:m].clone(), z, c_terms)
+        return self._stage("decoder", n)(h, z, pos)
 
     def _row_ratios(self, batch: Batch) -> list[float]:
         """Each request's R: its ``concept_ratio`` (``ratio.py``), else the export's R, else the design R."""
@@ -337,31 +366,47 @@ class ConceptMoEForCausalLM(nn.Module):
             terms = repeat_terms(step.terms, [e - s for s, e in zip(b.starts, b.ends)])
         return pos, carry, kept, *((None, None) if terms is None else (terms.router, terms.shift))
 
-    def _concepts(self, h: torch.Tensor, p: torch.Tensor, keys: torch.Tensor | None, step: _Step) -> torch.Tensor:
-        """The boundaries, the new concepts through the concept stack, dechunked: the z (N, D)
-        every token of the batch reads."""
+    def _concepts(self, h: torch.Tensor, p: torch.Tensor, keys: torch.Tensor | None, pos: torch.Tensor,
+                  step: _Step) -> torch.Tensor:
+        """The boundaries, the new concepts through the concept stack, dechunked, then the decoder:
+        the step's output (N, D). Compiled, a decode step with concepts to write is one graph from
+        the concepts to the decoder (``_tail``); other steps run the concept stack and the decoder
+        as two graphs, gathering and dechunking eager between them."""
         cfg, md, groups, batch, states = self.cfg, step.md, step.groups, step.batch, step.states
-        b = p >= 0.5
+        dev, n = h.device, h.shape[0]
+        bn = host(p if p.dtype == torch.float32 else p.float()) >= 0.5  # the boundaries
         fed, grants = self._cache.grants(groups, len(batch.rows))  # feedback keys, grants
-        c_raw, c_pos, c_p, counts, firsts = gather_concepts(h, b, p, batch, states, cfg.concept_pooling == "mean")
+        at, cpos, counts, firsts = locate_concepts(bn, batch, states)
         flags = self._cache.admit(grants, firsts, counts)  # requests whose concepts pass their blocks
-        if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
-            c_raw, c_pos, c_p, counts, b = drop_requests(flags.nonzero()[0].tolist(), c_raw, c_pos, c_p, counts,
-                                                         b, batch)
-        if c_raw.shape[0]:
+        rows = np.asarray(batch.rows, dtype=np.int64)
+        rows_t, decode = on(rows, dev), decoding(batch)
+        if self._compile and decode and at.size and not flags.any() and cfg.concept_pooling != "mean":
+            c_pos = on(cpos, dev)
             c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
-            c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
             self._cache.install_metadata(md, groups, counts, firsts, c_pos)
-            c = self._stage("concept", c_in.shape[0])(c_in, c_pos)
-            src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
+            out, z = self._stage("tail", n, at.size)(h, p, pos, on(at, dev), c_pos, states.z[rows_t], c_terms)
+            states.z[rows_t] = z
+            states.concepts.numpy()[rows] += bn
         else:
-            src = h.new_zeros(0, h.shape[1])
-        z_tok = dechunk(src, c_p, b, batch, counts, states)
+            b = on(bn, dev)
+            c_raw, c_pos, c_p = concept_inputs(h, b, p, at, cpos, batch, states, cfg.concept_pooling == "mean")
+            counts, firsts = counts.tolist(), firsts.tolist()
+            if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
+                c_raw, c_pos, c_p, counts, b = drop_requests(flags.nonzero()[0].tolist(), c_raw, c_pos, c_p,
+                                                             counts, b, batch)
+            if c_raw.shape[0]:
+                c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
+                c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
+                self._cache.install_metadata(md, groups, counts, firsts, c_pos)
+                c = self._stage("concept", c_in.shape[0])(c_in, c_pos)
+                src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
+            else:
+                src = h.new_zeros(0, h.shape[1])
+            out = self._stage("decoder", n)(h, dechunk(src, c_p, b, batch, counts, states), pos)
         if keys is not None:  # each request's last key (a decode step: every token is one)
-            last = keys if decoding(batch) else keys[on(np.asarray(batch.ends, dtype=np.int64) - 1, h.device)]
-            states.last_key[on(np.asarray(batch.rows, dtype=np.int64), h.device)] = last
+            states.last_key[rows_t] = keys if decode else keys[on(np.asarray(batch.ends, dtype=np.int64) - 1, dev)]
         self._cache.report(fed, grants, batch, states, flags)
-        return z_tok
+        return out
 
     def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
         """The concept layers grouped by block table (one per vLLM KV-cache group)."""

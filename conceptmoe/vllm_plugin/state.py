@@ -70,23 +70,36 @@ def gather_concepts(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, batch: Ba
     their p (M,); new concepts per request and each request's concept count before the step.
     ``mean``: a concept is the mean of its tokens (else the boundary token's state). h, b, p: the
     batch's N real tokens."""
+    at, c_pos, counts, firsts = locate_concepts(host(b), batch, states)
+    return (*concept_inputs(h, b, p, at, c_pos, batch, states, mean), counts.tolist(), firsts.tolist())
+
+
+def concept_inputs(h: torch.Tensor, b: torch.Tensor, p: torch.Tensor, at: np.ndarray, c_pos: np.ndarray,
+                   batch: Batch, states: RequestStates, mean: bool):
+    """The new concepts where ``locate_concepts`` found them: raw inputs (M, D), positions (M,), p (M,)."""
     dev = h.device
-    bn = host(b)
-    at = np.flatnonzero(bn)  # (M,) boundary tokens, grouped by request in batch order
-    firsts = states.concepts.numpy()[batch.rows]  # (R,)
-    if decoding(batch):  # one token a request: token r is request r's, at most one concept each
-        crid, counts, rank = at, bn.astype(np.int64), 0
-    else:
-        crid = request_of_token(batch)[at]
-        counts = np.bincount(crid, minlength=len(batch.rows))  # (R,)
-        rank = np.arange(at.size) - (counts.cumsum() - counts)[crid]  # within its request
     at_t = on(at, dev)
     if mean:
         raw = torch.cat([mean_pool(h[s:e], b[s:e].nonzero().flatten(), states, row)
                          for s, e, row in zip(batch.starts, batch.ends, batch.rows)]) if batch.rows else h[:0]
     else:
         raw = h[at_t]
-    return raw, on(firsts[crid] + rank, dev), p[at_t], counts.tolist(), firsts.tolist()
+    return raw, on(c_pos, dev), p[at_t]
+
+
+def locate_concepts(bn: np.ndarray, batch: Batch, states: RequestStates):
+    """Where the step's new concepts are, on the host: their boundary tokens (M,) grouped by
+    request in batch order, their concept positions (M,), new concepts per request (R,) and each
+    request's concept count before the step (R,). ``bn`` (N,): the boundaries."""
+    at = np.flatnonzero(bn)
+    firsts = states.concepts.numpy()[batch.rows]
+    if decoding(batch):  # one token a request: token r is request r's, at most one concept each
+        crid, counts, rank = at, bn.astype(np.int64), 0
+    else:
+        crid = request_of_token(batch)[at]
+        counts = np.bincount(crid, minlength=len(batch.rows))
+        rank = np.arange(at.size) - (counts.cumsum() - counts)[crid]  # within its request
+    return at, firsts[crid] + rank, counts, firsts
 
 
 def decoding(batch: Batch) -> bool:
@@ -138,8 +151,7 @@ def dechunk(src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor, batch: Batch,
         at = np.flatnonzero(bn)
         if at.size:
             some = on(rows[at], dev)
-            z, ps = states.z[some], c_p.to(states.z.dtype)[:, None]
-            states.z[some] = ps * src.to(z.dtype) + (1 - ps) * z
+            states.z[some] = ema_update(c_p, src, states.z[some])
         states.concepts.numpy()[rows] += bn
         return states.z[rows_t]
     D, width = states.z.shape[1], 1 + int(k.max(initial=0))
@@ -158,6 +170,16 @@ def dechunk(src: torch.Tensor, c_p: torch.Tensor, b: torch.Tensor, batch: Batch,
     states.z[rows_t] = zs[on(k, dev), on(np.arange(R), dev)]
     states.concepts.numpy()[rows] += k
     return z_tok
+
+
+def ema_update(p: torch.Tensor, src: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """One dechunk step for M requests: p (M,) src (M, D) z (M, D) -> p src + (1 - p) z in z's
+    dtype. Eager, each product, 1 - p and the sum are rounded to that dtype, as the reference
+    rounds them. Inside a compiled graph (the decode step's, ``model.py``) inductor keeps a fused
+    kernel's bf16 arithmetic in fp32 and rounds once, as it does for every fused op of the
+    compiled stages: bf16 there is held to a tolerance, fp32 is exact."""
+    ps = p.to(z.dtype)[:, None]
+    return ps * src.to(z.dtype) + (1 - ps) * z
 
 
 def ema_slots(zs: torch.Tensor, ps: torch.Tensor) -> None:
