@@ -27,8 +27,11 @@ is a few vectors per request, next to the KV blocks each request holds.
 The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
 ``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1 and 2,
 3's concept blocks, and 5 are three functions compiled with inductor, dynamic in their row count,
-without dynamo's per-call guards (``_stage``); the concept step between them (gathering,
-metadata, dechunking: data-dependent shapes) stays eager. On CUDA only eager is allowed (untested).
+without dynamo's per-call guards on the weights (``_stage``). A decode step with new concepts runs
+3 to 5 as one graph (``_tail``); the host's part of the step stays eager: where the concepts are
+(the router's decisions, read back), the grant check, the concept-rate metadata, the report. In
+other steps gathering and dechunking (a request's EMA concept by concept) run eager between the
+concept graph and the decoder's. On CUDA only eager is allowed (untested).
 The blocks run on vLLM's kernels (``dense.py``): fused projections, fused MoE, paged attention.
 
 Shape legend: N tokens in the flat batch, M new concepts in it, R requests, D d_model,
@@ -230,17 +233,16 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def _stage(self, name: str, rows: int, concepts: int | None = None):
         """A stage as a function: compiled with inductor when vLLM compiles, else the method itself.
-        Only the concept step between the stages (gathering, metadata, dechunking: data-dependent
-        shapes) stays eager.
 
         Two graphs a stage, as vLLM compiles its own models: one for a single row (torch
-        specializes a size of 1) and one dynamic in the row count, each chosen here by ``rows``
-        rather than by dynamo's guards. The guards, checked on every call, cost more than a
-        one-row decode step's arithmetic (a check per weight); only the shape guards of the
-        dynamic graph are kept. What they would check does not change while vLLM serves: the
-        weights, dtypes, the model's options, no-grad. The warm-up runs each stage on one row
-        and on many, so no stage compiles while requests wait. ``concepts``: the decode step's graph
-        (``_tail``) has a graph of its own for one concept too (torch specializes that size)."""
+        specializes a size of 1) and one dynamic in the row count, each chosen here by ``rows``.
+        Dynamo's guards on the weights, checked on every call, cost more than a one-row decode
+        step's arithmetic (a check per weight): only the shape guards and the arguments' own
+        tensor guards are kept (``_shape_guards``). What the others would check does not change
+        while vLLM serves: the weights, dtypes, the model's options, no-grad. The warm-up runs
+        each stage on one row and on many, so no stage compiles while requests wait.
+        ``concepts``: the decode step's graph (``_tail``) has a graph of its own for one concept
+        too (torch specializes that size)."""
         fn = getattr(self, f"_{name}")
         if not self._compile:
             return fn
@@ -287,8 +289,9 @@ class ConceptMoEForCausalLM(nn.Module):
               z: torch.Tensor, c_terms: torch.Tensor | None):
         """A decode step after the router, as one graph: the concepts the tokens ``at`` (M,) close
         (a request's one token closes one at most) through the concept stack at ``c_pos``, each
-        request's z (N, D) stepped where it has a new concept, the decoder. The same arithmetic as
-        the eager step (``_concepts``). Returns the decoder's output and the new z (N, D)."""
+        request's z (N, D) stepped where it has a new concept, the decoder. The eager step's
+        operations (``_concepts``: in fp32 the same bits, in bf16 rounded as inductor rounds a fused
+        kernel). Returns the decoder's output and the new z (N, D)."""
         c_raw = h[at]
         c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
         c = self._concept(c_in, c_pos)
