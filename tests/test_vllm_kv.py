@@ -235,10 +235,10 @@ def test_launcher_flags(tmp_path):
 def test_stages_of_one_method_keep_their_own_graphs():
     """Two stages compiled from one method with the same options share dynamo's cache entries (the
     decode step's graph for one concept, that size specialized, and its graph for several). The
-    guards a stage keeps (``model._shape_guards``: not the weights') must tell them apart; with the
+    guards a stage keeps (``stages.shape_guards``: not the weights') must tell them apart; with the
     shape guards alone, the several-concept call ran the one-concept graph (vLLM turns inductor's
     size asserts off: a heap overrun there)."""
-    from conceptmoe.vllm_plugin.model import _shape_guards
+    from conceptmoe.vllm_plugin.stages import shape_guards
 
     lin = torch.nn.Linear(8, 8)
 
@@ -247,7 +247,7 @@ def test_stages_of_one_method_keep_their_own_graphs():
 
     h = torch.randn(6, 8)
     with torch.no_grad():
-        one, several = (torch.compile(f, dynamic=True, options={"guard_filter_fn": _shape_guards}) for _ in "ab")
+        one, several = (torch.compile(f, dynamic=True, options={"guard_filter_fn": shape_guards}) for _ in "ab")
         for g, at in [(one, [1]), (several, [1, 2]), (one, [4]), (several, [0, 3, 5]), (one, [2])]:
             at = torch.tensor(at)
             torch.testing.assert_close(g(h, at), f(h, at))

@@ -248,6 +248,14 @@ class ConceptCache:
         self._builder = None
         self._feedback: FeedbackTable | None = None
 
+    def groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
+        """The concept layers grouped by block table (one per vLLM KV-cache group), from vLLM's metadata."""
+        out: dict[int, tuple[list[str], torch.Tensor]] = {}
+        for attn in self.layers:
+            bt = md[attn.layer_name].block_table
+            out.setdefault(id(bt), ([], bt))[0].append(attn.layer_name)
+        return list(out.values())
+
     def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
         """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
         reads it: the requests with new concepts, queries = their new concepts, context = all

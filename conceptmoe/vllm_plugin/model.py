@@ -27,7 +27,7 @@ is a few vectors per request, next to the KV blocks each request holds.
 The token-rate reference is ``inference/steps.py``; tests check greedy outputs against
 ``model.generate`` token for token. When vLLM compiles (not ``--enforce-eager``), steps 1 and 2,
 3's concept blocks, and 5 are three functions compiled with inductor, dynamic in their row count,
-without dynamo's per-call guards on the weights (``_stage``). A decode step with new concepts runs
+without dynamo's per-call guards on the weights (``stages.py``). A decode step with new concepts runs
 3 to 5 as one graph (``_tail``); the host's part of the step stays eager: where the concepts are
 (the router's decisions, read back), the grant check, the concept-rate metadata, the report. In
 other steps gathering and dechunking (a request's EMA concept by concept) run eager between the
@@ -58,17 +58,9 @@ from .dense import BlockLinears, run_block
 from .kv import ConceptAttention, ConceptCache
 from .refuse import compiles, refuse_backend, refuse_unsupported
 from .ratio import repeat_terms, row_ratios
+from .stages import Stages
 from .state import (Batch, RequestStates, concept_inputs, dechunk, decoding, drop_requests, ema_update, host,
                     locate_concepts, on)
-
-
-def _shape_guards(entries) -> list[bool]:
-    """Dynamo keeps a compiled stage's shape guards and its arguments' tensor guards (sizes, dtype,
-    device: a handful), not the guards of the weights it reads (``_stage``). Two stages compiled
-    from one method with the same options share dynamo's cache entries: the arguments' guards are
-    what tells the decode step's graph for one concept (its size specialized) from the one for several."""
-    return [e.guard_type == "SHAPE_ENV" or (e.guard_type == "TENSOR_MATCH" and e.name.isidentifier())
-            for e in entries]
 
 
 class _Step(NamedTuple):
@@ -116,8 +108,7 @@ class ConceptMoEForCausalLM(nn.Module):
                                      prefix=f"{prefix}.head", return_bias=False)
         self._layers = self._stacks()
         self._compile = compiles(vllm_config)
-        self._compiled: dict[str, object] = {}
-        self._inductor = dict(vllm_config.compilation_config.inductor_compile_config)
+        self._stage = Stages(self, self._compile, dict(vllm_config.compilation_config.inductor_compile_config))
         self._states: RequestStates | None = None
         self._cache = ConceptCache(vllm_config, self.concept_attn)
         self._released: dict[str, torch.Size] = {}  # our weights freed once copied into vLLM's layers
@@ -231,27 +222,6 @@ class ConceptMoEForCausalLM(nn.Module):
 
     # -- the stages: token-rate stacks and the concept stack, compiled unless eager -------------
 
-    def _stage(self, name: str, rows: int, concepts: int | None = None):
-        """A stage as a function: compiled with inductor when vLLM compiles, else the method itself.
-
-        Two graphs a stage, as vLLM compiles its own models: one for a single row (torch
-        specializes a size of 1) and one dynamic in the row count, each chosen here by ``rows``.
-        Dynamo's guards on the weights, checked on every call, cost more than a one-row decode
-        step's arithmetic (a check per weight): only the shape guards and the arguments' own
-        tensor guards are kept (``_shape_guards``). What the others would check does not change
-        while vLLM serves: the weights, dtypes, the model's options, no-grad. The warm-up runs
-        each stage on one row and on many, so no stage compiles while requests wait.
-        ``concepts``: the decode step's graph (``_tail``) has a graph of its own for one concept
-        too (torch specializes that size)."""
-        fn = getattr(self, f"_{name}")
-        if not self._compile:
-            return fn
-        key = (name, rows == 1, concepts == 1)
-        if key not in self._compiled:
-            self._compiled[key] = torch.compile(fn, dynamic=rows != 1, backend="inductor",
-                                                options={**self._inductor, "guard_filter_fn": _shape_guards})
-        return self._compiled[key]
-
     def _plain(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = self._rope(pos, x.dtype)
         for blk, lin, attn, fused in self._layers["plain"]:
@@ -342,8 +312,8 @@ class ConceptMoEForCausalLM(nn.Module):
     def _step(self, md: dict, x: torch.Tensor) -> _Step:
         """This step's requests, their state (reset for a request starting over: new, or recomputed
         after preemption) and, for an elastic model, their ratio terms."""
-        groups = self._concept_groups(md)
-        batch = self._batch(md[self.token_attn[0].layer_name], groups[0][1])
+        groups = self._cache.groups(md)
+        batch = Batch.of(md[self.token_attn[0].layer_name], groups[0][1])
         states = self._request_states(x)
         fresh = [row for row, done in zip(batch.rows, batch.done) if done == 0]
         if fresh:
@@ -410,23 +380,6 @@ class ConceptMoEForCausalLM(nn.Module):
             states.last_key[rows_t] = keys if decode else keys[on(np.asarray(batch.ends, dtype=np.int64) - 1, dev)]
         self._cache.report(fed, grants, batch, states, flags)
         return out
-
-    def _concept_groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
-        """The concept layers grouped by block table (one per vLLM KV-cache group)."""
-        out: dict[int, tuple[list[str], torch.Tensor]] = {}
-        for attn in self.concept_attn:
-            bt = md[attn.layer_name].block_table
-            out.setdefault(id(bt), ([], bt))[0].append(attn.layer_name)
-        return list(out.values())
-
-    def _batch(self, tok_md, concept_table: torch.Tensor) -> Batch:
-        qsl = tok_md.query_start_loc.tolist()
-        seq = tok_md.seq_lens.tolist()
-        n = len(qsl) - 1
-        ends, starts = qsl[1:], qsl[:-1]
-        done = [seq[r] - (ends[r] - starts[r]) for r in range(n)]
-        rows = concept_table[:n, 0].tolist()
-        return Batch(starts, ends, done, rows)
 
     def _request_states(self, h: torch.Tensor) -> RequestStates:
         if self._states is None:

@@ -49,6 +49,15 @@ class Batch:
     done: list[int]  # tokens each request had processed before this step
     rows: list[int]  # state row (first concept block, worker units) of each request
 
+    @classmethod
+    def of(cls, tok_md, concept_table: torch.Tensor) -> "Batch":
+        """The batch of vLLM's token-rate metadata ``tok_md``, its rows from the concept group's table."""
+        qsl, seq = tok_md.query_start_loc.tolist(), tok_md.seq_lens.tolist()
+        n = len(qsl) - 1
+        ends, starts = qsl[1:], qsl[:-1]
+        done = [seq[r] - (ends[r] - starts[r]) for r in range(n)]
+        return cls(starts, ends, done, concept_table[:n, 0].tolist())
+
 
 def host(t: torch.Tensor) -> np.ndarray:
     """A tensor's values as a numpy array: a view on the CPU, a copy from another device.
