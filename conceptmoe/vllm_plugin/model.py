@@ -262,12 +262,16 @@ class ConceptMoEForCausalLM(nn.Module):
         request's z (N, D) stepped where it has a new concept, the decoder. The eager step's
         operations (``_concepts``: in fp32 the same bits, in bf16 rounded as inductor rounds a fused
         kernel). Returns the decoder's output and the new z (N, D)."""
-        c_raw = h[at]
-        c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
-        c = self._concept(c_in, c_pos)
-        src = c - c_in if self.cfg.dechunk_source == "update" else c - (c_in - c_raw)
+        src = self._source(h[at], c_pos, c_terms, self._concept)
         z = z.index_put((at,), ema_update(p[at], src, z[at]))
         return self._decoder(h, z, pos), z
+
+    def _source(self, c_raw: torch.Tensor, c_pos: torch.Tensor, c_terms: torch.Tensor | None, concept) -> torch.Tensor:
+        """What dechunking reads of the new concepts c_raw (M, D): the concept stack's output
+        (``concept``: its graph, or the method inside one) less its input, or less the ratio terms."""
+        c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
+        c = concept(c_in, c_pos)
+        return c - c_in if self.cfg.dechunk_source == "update" else c - (c_in - c_raw)
 
     def _concept(self, c: torch.Tensor, c_pos: torch.Tensor) -> torch.Tensor:
         """The concept blocks (times their loops) on the flat batch of new concepts c (M, D)."""
@@ -369,10 +373,8 @@ class ConceptMoEForCausalLM(nn.Module):
                                                              counts, b, batch)
             if c_raw.shape[0]:
                 c_terms = None if step.terms is None else repeat_terms(step.terms, counts).concept
-                c_in = c_raw if c_terms is None else c_raw + c_terms.to(c_raw.dtype)
                 self._cache.install_metadata(md, groups, counts, firsts, c_pos)
-                c = self._stage("concept", c_in.shape[0])(c_in, c_pos)
-                src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - c_raw)  # (M, D)
+                src = self._source(c_raw, c_pos, c_terms, self._stage("concept", c_raw.shape[0]))  # (M, D)
             else:
                 src = h.new_zeros(0, h.shape[1])
             out = self._stage("decoder", n)(h, dechunk(src, c_p, b, batch, counts, states), pos)
