@@ -41,6 +41,11 @@ def trained_like(seed: int = 0, router_noise: float = 0.8, joint_std: float = 1.
             if blk.attn.joint:
                 for lin in (blk.attn.jq, blk.attn.jk, blk.attn.jv):
                     lin.weight.normal_(std=joint_std)
+        if m.skip is not None:  # stage_skip: a learned projection, not its zero start
+            m.skip.weight.normal_(std=0.5 / d ** 0.5)
+        for norm in (m.encoder_norm, m.concept_norm):  # stage_norms: gains away from 1
+            if norm is not None:
+                norm.weight.uniform_(0.5, 1.5)
     return m
 
 

@@ -25,6 +25,8 @@ def _model(kind: str):
         return trained_like(0, elastic_ratios=[1.5, 2.0, 3.0], ratio_embedding="router+concept").eval()
     if kind == "mean":
         return trained_like(1, concept_pooling="mean", dechunk_source="update").eval()
+    if kind == "stages":
+        return trained_like(2, stage_norms=True, stage_skip=True).eval()
     return trained_like(0).eval()
 
 
@@ -36,7 +38,7 @@ def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.tensor([len(r) for r in rows])
 
 
-@pytest.mark.parametrize("kind", ["moe", "conceptmoe", "mean", "elastic"])
+@pytest.mark.parametrize("kind", ["moe", "conceptmoe", "mean", "elastic", "stages"])
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 def test_chunked_prefill_equals_one_pass(kind, chunk):
     m = _model(kind)

@@ -65,9 +65,12 @@ def test_moe_cached_steps_match_full_forward():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"concept_pooling": "mean"}, {"concept_loops": 2},
-                                       {"chunk_router": "fixed", "compression_ratio": 3.0}])
+                                       {"chunk_router": "fixed", "compression_ratio": 3.0},
+                                       {"stage_norms": True, "stage_skip": True}])
 def test_conceptmoe_cached_steps_match_full_forward(overrides):
     model = _model(**overrides)
+    if model.skip is not None:  # a learned skip, not its zero start
+        torch.nn.init.normal_(model.skip.weight, std=0.2, generator=torch.Generator().manual_seed(5))
     state, stepping, patterns = _decode_and_compare(model)
     assert len(set(patterns)) == len(LENS)  # every row has its own boundary pattern
     # Ragged steps happened: some steps moved only part of the batch through the concept model.

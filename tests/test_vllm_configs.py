@@ -6,7 +6,8 @@ that preempts, a grow load, seeded sampling) and must give ``model.generate``'s 
 token for token (fp32). Between them the runs cover every model option of a run:
 
 - ``pooled``: mean pooling, qk-norm (per head), q/k/v biases, a gated shared expert;
-- ``update``: ``dechunk_source="update"``, two concept loops, joint decoding off, the linear router;
+- ``update``: ``dechunk_source="update"``, two concept loops, joint decoding off, the linear router,
+  stage norms and the learned skip (issue 67);
 - ``converted``: a Qwen2-MoE-style checkpoint with biases, imported and converted to a ConceptMoE
   (its new router and joint projections given random weights: the conversion's identity init
   would make one concept per prompt).
@@ -35,7 +36,8 @@ from conceptmoe.interop.convert import convert_run  # noqa: E402
 OPTIONS = {
     "pooled": dict(concept_pooling="mean", qk_norm="head", attn_bias="qkv", n_shared_experts=1,
                    shared_expert_gate=True, router_noise=1.5),  # about 2 tokens a concept
-    "update": dict(dechunk_source="update", concept_loops=2, joint_decoding=False, chunk_router="linear"),
+    "update": dict(dechunk_source="update", concept_loops=2, joint_decoding=False, chunk_router="linear",
+                   stage_norms=True, stage_skip=True),
 }
 
 
@@ -58,6 +60,7 @@ def runs(tmp_path_factory):
     for name, over in OPTIONS.items():
         concept_run(root / name, seq_len=128, **{**SHAPE, **over})
     randomize(root / "pooled", lambda k: k.endswith("bias") or "shared_gate" in k)
+    randomize(root / "update", lambda k: k.startswith(("skip.", "encoder_norm.", "concept_norm.")))
     import transformers as tr
 
     hf = root / "qwen2"

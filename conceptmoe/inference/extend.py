@@ -53,10 +53,10 @@ def extend(model, state: InferenceState, ids: torch.Tensor, n: torch.Tensor) -> 
     n_enc = len(model.encoder)
     for i, blk in enumerate(model.encoder):
         x = _block_chunk(blk, x, cos, sin, state.tokens, i, nl, rows, model.dispatch)
-    h = x  # (B, T, D)
+    h = model.encoder_out(x)  # (B, T, D)
     b, c_raw, p = _route_chunk(model, state, h, pos, valid)
     z = _concept_chunk(model, state, b, c_raw, p, pos)  # (B, T, D) z_{j(t)} per token
-    x = h + z
+    x = model.skip_out(h) + z
     for i, blk in enumerate(model.decoder):
         x = _block_chunk(blk, x, cos, sin, state.tokens, n_enc + i, nl, rows, model.dispatch, z=z)
     state.tokens.lengths = [a + c for a, c in zip(state.tokens.lengths, nl)]
@@ -113,6 +113,7 @@ def _concept_chunk(model, state, b, c_raw, p, pos):
     for loop in range(cfg.concept_loops):
         for i, blk in enumerate(model.concept):
             c = _block_chunk(blk, c, ccos, csin, cache, loop * n_con + i, ml, crows, model.dispatch)
+    c = model.concept_out(c)
     cache.lengths = [a + k for a, k in zip(cache.lengths, ml)]
     src = c - c_in if cfg.dechunk_source == "update" else c - (c_in - raw)  # (B, M, D)
     zs, z = [], z_prev

@@ -139,7 +139,7 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     rows = _real_rows(valid)
     for i, blk in enumerate(model.encoder):
         x = _block_prefill(blk, x, cos, sin, tokens, i, rows, model.dispatch)
-    h = x  # (B, T, D) encoder states ĥ
+    h = model.encoder_out(x)  # (B, T, D) encoder states ĥ
     terms = model.ratio_terms(ratio, B, x.device, extrapolate)  # elastic models: each row's R
     p = model.route(h, terms)  # (B, T)
     b = (p >= 0.5) & valid
@@ -154,10 +154,11 @@ def _prefill_concept(model: ConceptMoELM, x, cos, sin, lengths, valid, extra_cap
     for loop in range(cfg.concept_loops):
         for i, blk in enumerate(model.concept):
             c = _block_prefill(blk, c, ccos, csin, concepts, loop * n_con + i, concept_rows, model.dispatch)
+    c = model.concept_out(c)
     concepts.lengths = ch.mask.sum(1).tolist()
     update = cfg.dechunk_source == "update"
     z_tok, z_res = dechunk(ch, c, c_in) if update else dechunk(ch, c - (c_in - ch.concepts))  # (B, T, D) each
-    x = h + z_res
+    x = model.skip_out(h) + z_res
     for i, blk in enumerate(model.decoder):
         x = _block_prefill(blk, x, cos, sin, tokens, n_enc + i, rows, model.dispatch, z=z_tok)
     tokens.lengths = lengths.tolist()
@@ -202,7 +203,7 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
     cfg, n_enc, n_con = model.cfg, len(model.encoder), len(model.concept)
     for i, blk in enumerate(model.encoder):
         x = _block_step(blk, x, cos, sin, state.tokens, i, model.dispatch)
-    h = x[:, 0]  # (B, D)
+    h = model.encoder_out(x[:, 0])  # (B, D)
     ck, z = state.chunk, state.dechunk.z
     terms = ck.ratio
     shift = {} if terms is None else {"shift": terms.shift}
@@ -225,6 +226,7 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
             for i, blk in enumerate(model.concept):
                 c = _block_step(blk, c, ccos, csin, state.concepts, loop * n_con + i,
                                 model.dispatch, rows=rows)
+        c = model.concept_out(c)
         state.concepts.advance(rows)
         pr = p[rows, None].to(z.dtype)
         z = z.clone()
@@ -237,7 +239,7 @@ def decode_step(model, state: InferenceState, tokens: torch.Tensor) -> StepOutpu
         keep = (~b)[:, None].to(h.dtype)
         ck.pool_sum = (ck.pool_sum + h) * keep
         ck.pool_count = (ck.pool_count + 1) * (~b)
-    x = (h + z)[:, None]  # STE(P) is exactly 1 in the forward pass
+    x = (model.skip_out(h) + z)[:, None]  # STE(P) is exactly 1 in the forward pass
     zq = z[:, None]
     for i, blk in enumerate(model.decoder):
         x = _block_step(blk, x, cos, sin, state.tokens, n_enc + i, model.dispatch, z=zq)

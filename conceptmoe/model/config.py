@@ -29,7 +29,7 @@ DECHUNK_SOURCES = ("output", "update")
 LATE_DEFAULTS = {"dechunk_source": "output", "joint_layers": None, "image_size": 0, "image_channels": 1,
                  "patch_size": 2, "image_token_id": 0, "image_compression_ratio": None, "attn_bias": "none",
                  "elastic_ratios": None, "ratio_embedding": "router", "boundary_sharpness_final": None,
-                 "router_temperature": "none"}
+                 "router_temperature": "none", "stage_norms": False, "stage_skip": False}
 QK_NORMS = ("none", "head", "full")
 RATIO_EMBEDDINGS = ("shift", "router", "router+concept")  # model/elastic.py
 ROUTER_TEMPERATURES = ("none", "learned")  # model/chunking.py
@@ -93,6 +93,11 @@ class ModelConfig:
     # concept with p = 1 (a converted MoE starts where it was; see interop/convert.py).
     dechunk_source: str = "output"
     concept_loops: int = 1  # run the concept-model layers this many times
+    # Dynamic chunking's stage boundaries as H-Net builds them (CONCEPTMOE.md §2, model/lm.py):
+    # an RMSNorm on the encoder's and on the concept stack's output, and a zero-initialised linear
+    # projection of the encoder's output added to the identity skip around the concept stack.
+    stage_norms: bool = False
+    stage_skip: bool = False
     concept_n_experts: int | None = None  # None: same as n_experts
     concept_top_k: int | None = None  # None: same as top_k
     # --- images in the sequence (model/vision.py; 0: text-only) ---

@@ -2,7 +2,7 @@
 
 Implements CONCEPTMOE.md §3. Activated FLOPs per token count the linear layers only
 (attention projections, joint-decoding W', router, activated routed experts, shared experts,
-chunk-router projections, LM head) at 2 FLOPs per multiply-accumulate, plus 1 FLOP per
+chunk-router projections, the stage skip's projection (``stage_skip``), LM head) at 2 FLOPs per multiply-accumulate, plus 1 FLOP per
 attention-bias element (``attn_bias``). Concept-model layers
 count with weight ``concept_loops / R``: they run on about L/R positions. Attention-map FLOPs
 (QKᵀ and AV) are reported separately, averaged over causal positions of a sequence of length
@@ -87,8 +87,10 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
         chunk_params = {"cosine": 2 * d * d, "linear": d + 1, "fixed": 0}[cfg.chunk_router]
         chunk_params += cfg.chunk_router == "cosine" and cfg.router_temperature == "learned"  # exp(a): one scalar
         chunk_params += _ratio_embedding_params(cfg)
+        skip_macs = d * d if cfg.stage_skip else 0  # W ĥ at every token (model/lm.py skip_out)
+        chunk_params += skip_macs + (2 * d if cfg.stage_norms else 0)
     else:
-        concept_layers, loops, chunk_macs, chunk_params = [], 1, 0, 0
+        concept_layers, loops, chunk_macs, chunk_params, skip_macs = [], 1, 0, 0, 0
         token_layers = [_block(cfg, cfg.n_experts, cfg.top_k, False)] * cfg.n_layers
     head = d * V
     embed_params = V * d + (0 if cfg.tie_embeddings else V * d) + d  # + final norm
@@ -97,7 +99,7 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
     patch_in = cfg.image_channels * cfg.patch_size ** 2
     patch_macs = patch_in * d * image_fraction if cfg.image_size else 0
     patch_params = (patch_in * d + d + cfg.n_patches * d + d) if cfg.image_size else 0
-    macs = token_macs + concept_macs + chunk_macs + head + patch_macs
+    macs = token_macs + concept_macs + chunk_macs + skip_macs + head + patch_macs
     layers = token_layers + concept_layers
     total = sum(c.params for c in layers) + chunk_params + embed_params + patch_params
     inactive = sum(c.inactive_params for c in layers)
@@ -127,4 +129,6 @@ def count_flops(cfg: ModelConfig, seq_len: int = 2048, compression: float | None
     }
     if cfg.image_size:
         out["breakdown_flops_per_token"]["patch_embed"] = 2 * patch_macs
+    if skip_macs:
+        out["breakdown_flops_per_token"]["stage_skip"] = 2 * skip_macs
     return out

@@ -234,7 +234,30 @@ class ConceptMoELM(LanguageModel):
         first_joint = cfg.n_decoder_layers - cfg.n_joint_layers  # joint decoding in the last K layers
         self.decoder = nn.ModuleList(Block(cfg, cfg.n_experts, cfg.top_k, joint=i >= first_joint)
                                      for i in range(cfg.n_decoder_layers))
+        # Stage boundaries (cfg.stage_norms, cfg.stage_skip). The skip is made after the init, at
+        # zero (the identity alone at first): every other weight draws the random numbers it drew
+        # before the options existed.
+        self.encoder_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.stage_norms else None
+        self.concept_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.stage_norms else None
         self._init_weights()
+        self.skip = None
+        if cfg.stage_skip:
+            self.skip = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+            nn.init.zeros_(self.skip.weight)
+
+    # The three stage boundaries, used by every path that runs the model (training, the KV-cached
+    # steps, the chunked prefill, vLLM): each is the identity when its option is off.
+    def encoder_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's output ĥ from its last block's residual stream (normed with stage_norms)."""
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
+    def concept_out(self, c: torch.Tensor) -> torch.Tensor:
+        """The concept stack's output from its last block's residual stream (normed with stage_norms)."""
+        return c if self.concept_norm is None else self.concept_norm(c)
+
+    def skip_out(self, h: torch.Tensor) -> torch.Tensor:
+        """What the skip around the concept stack adds to the dechunked stream: ĥ, plus W ĥ with stage_skip."""
+        return h if self.skip is None else h + self.skip(h)
 
     def encode(self, input_ids: torch.Tensor,
                pixel_values: torch.Tensor | None = None) -> tuple[torch.Tensor, list[MoEAux]]:
@@ -244,7 +267,7 @@ class ConceptMoELM(LanguageModel):
         for blk in self.encoder:
             x, a = blk(x, cos, sin, dispatch=self.dispatch)
             aux.append(a)
-        return x, aux
+        return self.encoder_out(x), aux
 
     def run_concepts(self, c: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[MoEAux]]:
         cos, sin = self.rope(c.shape[1], c.device, c.dtype)  # concept index as RoPE position
@@ -253,7 +276,7 @@ class ConceptMoELM(LanguageModel):
             for blk in self.concept:
                 c, a = blk(c, cos, sin, valid=rows, dispatch=self.dispatch)
                 aux.append(a)
-        return c, aux
+        return self.concept_out(c), aux
 
     def ratio_terms(self, ratio, batch: int, device: torch.device, extrapolate: bool = False) -> RatioTerms | None:
         """The ratio embedding of each row's R (number, or one per row; None: the design ratio);
@@ -306,7 +329,7 @@ class ConceptMoELM(LanguageModel):
             z_tok, z_res = dechunk(ch, c, c_in)
         else:  # an elastic model's concept vector conditions the concept layers; it is not carried on
             z_tok, z_res = dechunk(ch, c - (c_in - ch.concepts))
-        x = h + z_res
+        x = self.skip_out(h) + z_res
         cos, sin = self.rope(x.shape[1], x.device, x.dtype)
         aux_d = []
         for blk in self.decoder:

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..model.config import ModelConfig
 from ..model.match import MatchResult, match_config
 from . import checkpoint as ck
-from ..data.corpus import DEFAULT_CORPUS
+from ..data.corpus import DEFAULT_CORPUS, TUNING_CORPUS
 from ..data.recipes import RECIPES
 from .elastic import parse_ratios
 from .init_run import check_new_ratios, resolve_init
@@ -35,13 +35,13 @@ CONCEPT_ONLY = ("chunk_router", "boundary_noise", "boundary_sharpness", "boundar
                 "router_confidence_start", "concept_pooling", "joint_decoding", "elastic_ratios", "ratio_embedding")
 # Fields a plain MoE ignores (its run config leaves them at the preset's values).
 MOE_IGNORED = CONCEPT_ONLY + ("n_encoder_layers", "n_decoder_layers", "compression_ratio",
-                              "concept_loops", "concept_n_experts", "concept_top_k")
+                              "concept_loops", "concept_n_experts", "concept_top_k", "stage_norms", "stage_skip")
 LOG_MODES = ("jsonl", "tensorboard")  # --log: what watching a run writes besides the plain metrics rows
 # Changing these on --resume would make a different run.
 RUN_IDENTITY = ("data", "batch_size", "seq_len", "seed", "ratios")
 # What a resumed run keeps of its optimizer's settings: the lr schedule (peak, warmup, floor) and
 # the groups' decay and router multiplier (which the checkpointed optimizer state restores anyway).
-RUN_SCHEDULE = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "chunk_lr_mult")
+RUN_SCHEDULE = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "chunk_lr_mult", "stage_lr_mults")
 
 
 # The peak learning rate when --lr is not given, by model kind. The ConceptMoE's is half the MoE's:
@@ -74,6 +74,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     chunk_lr_mult: float = 1.0  # learning-rate multiplier of the chunk router
+    # Per-stage learning rates (ConceptMoE): [token-rate stage, concept stage] multipliers of lr, or
+    # "auto" (``stage_lr_rule``); None: one rate for the whole model, as before they existed.
+    stage_lr_mults: list[float] | str | None = None
     seed: int = 0
     device: str = "auto"
     eval_every: int | None = None  # None: ~10 validations per run; 0: none
@@ -164,6 +167,7 @@ class TrainConfig:
             self.tokenizer = self.tokenizer or str(Path(self.init) / "tokenizer.json")
             if self.ratios:
                 check_new_ratios(self.init, self.init_model, [r for r, _ in self.ratios])
+        self.stage_lr_mults = parse_stage_mults(self.stage_lr_mults, self.model, self.ratio)
         if self.lr is None:  # the kind is known now (--init brings its own)
             self.lr = DEFAULT_LR[self.model]
 
@@ -177,6 +181,8 @@ class TrainConfig:
             del d["experts_multiple_of"]
         if d["log"] is None:  # likewise before --log
             del d["log"]
+        if d["stage_lr_mults"] is None:  # likewise before --stage-lr-mults
+            del d["stage_lr_mults"]
         return d
 
     @classmethod
@@ -187,6 +193,33 @@ class TrainConfig:
     @property
     def total_steps(self) -> int:
         return schedule_steps(self.to_dict())
+
+
+def stage_lr_rule(ratio: float) -> list[float]:
+    """The default per-stage rule ("auto"): H-Net's learning-rate modulation (Hwang, Wang and Gu,
+    arXiv 2507.07955, §2.3.3; goombalab/hnet sets a multiplier per stage, outer stages higher) as we
+    read it: a stage's rate grows with the square root of the tokens it sees per batch and falls
+    with the square root of its width. Both stages here are d_model wide and the concept stage sees
+    1/R of the tokens: [1, 1/sqrt(R)] of the token-rate stage's lr."""
+    return [1.0, round(1 / math.sqrt(ratio), 6)]
+
+
+def parse_stage_mults(given, model: str, ratio: float) -> list[float] | None:
+    """``--stage-lr-mults``: "auto", "TOKEN,CONCEPT" or a two-number list -> [token, concept]."""
+    if given is None:
+        return None
+    if model != "conceptmoe":
+        raise UserError("--stage-lr-mults sets a ConceptMoE's per-stage learning rates; a plain MoE has one stage")
+    if isinstance(given, str) and given.strip().lower() == "auto":
+        return stage_lr_rule(ratio)
+    try:
+        vals = [float(v) for v in (given.split(",") if isinstance(given, str) else given)]
+    except (TypeError, ValueError):
+        vals = []
+    if len(vals) != 2 or not all(math.isfinite(v) and v >= 0 for v in vals) or not vals[0] > 0:
+        raise UserError(f"--stage-lr-mults takes auto or TOKEN,CONCEPT: two finite multipliers of --lr, the "
+                        f"token-rate stage's > 0, the concept stage's >= 0 (got {given!r})")
+    return vals
 
 
 def schedule_steps(train: dict[str, Any]) -> int:
@@ -228,7 +261,7 @@ def trained_as(stored: dict[str, Any], tc: TrainConfig) -> bool:
 
 def resolve_data(data: str | None) -> str | None:
     """An absolute --data path (the default corpus, the recipes and the digits task keep their names)."""
-    named = (DEFAULT_CORPUS, VLM_DATA) + RECIPES
+    named = (DEFAULT_CORPUS, TUNING_CORPUS, VLM_DATA) + RECIPES
     return data if data is None or str(data) in named else str(Path(data).resolve())
 
 

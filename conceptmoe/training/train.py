@@ -47,33 +47,42 @@ from ..data.digits import VLM_DATA
 
 
 GROUPS = ("decay", "no_decay", "chunk")  # optimizer parameter groups, in this order in every mode
+# With per-stage learning rates (--stage-lr-mults) the concept stage's parameters get groups of their own.
+STAGE_GROUPS = GROUPS + ("concept_decay", "concept_no_decay")
 
 
-def param_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+def param_groups(model: torch.nn.Module, staged: bool = False) -> dict[str, list[torch.nn.Parameter]]:
     """The model's parameters by optimizer group, decided by parameter identity on the unwrapped
     model (``distributed.unwrap``): a DDP wrapper's ``module.`` names or FSDP's DTensor parameters
     change nothing. The chunk router and an elastic model's ratio embedding (its threshold shift
     and router vector are the router's; ``--chunk-lr-mult 0`` freezes them all): their own
     learning rate, no decay; embeddings, the image position table, norms and biases: no decay;
-    every other matrix: decay."""
+    every other matrix: decay. ``staged``: the concept stage (the concept blocks, run at every
+    loop, and their output norm) in ``concept_decay`` / ``concept_no_decay``."""
     raw = distributed.unwrap(model)
     chunk = {id(p) for name in ("chunk", "ratio_embed") if getattr(raw, name, None) is not None
              for p in getattr(raw, name).parameters()}
+    concept = {id(p) for name in ("concept", "concept_norm") if staged and getattr(raw, name, None) is not None
+               for p in getattr(raw, name).parameters()}
     flat = {id(p) for p in raw.embed.parameters()}
     if getattr(raw, "vision", None) is not None:
         flat.add(id(raw.vision.pos))
-    groups: dict[str, list] = {n: [] for n in GROUPS}
+    groups: dict[str, list] = {n: [] for n in (STAGE_GROUPS if staged else GROUPS)}
     for p in raw.parameters():
         name = "chunk" if id(p) in chunk else "decay" if p.dim() >= 2 and id(p) not in flat else "no_decay"
-        groups[name].append(p)
+        groups[("concept_" + name) if id(p) in concept else name].append(p)
     return groups
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over ``param_groups`` (the same groups, in the same order, in every parallel mode)."""
-    spec = {"decay": (tc.weight_decay, 1.0), "no_decay": (0.0, 1.0), "chunk": (0.0, tc.chunk_lr_mult)}
+    """AdamW over ``param_groups`` (the same groups, in the same order, in every parallel mode);
+    each group's ``lr_mult`` is its stage's multiplier (``tc.stage_lr_mults``), times
+    ``chunk_lr_mult`` for the router."""
+    token, concept = tc.stage_lr_mults or (1.0, 1.0)
+    spec = {"decay": (tc.weight_decay, token), "no_decay": (0.0, token), "chunk": (0.0, token * tc.chunk_lr_mult),
+            "concept_decay": (tc.weight_decay, concept), "concept_no_decay": (0.0, concept)}
     groups = [{"params": ps, "name": n, "weight_decay": spec[n][0], "lr_mult": spec[n][1], "lr": tc.lr * spec[n][1]}
-              for n, ps in param_groups(model).items() if ps]
+              for n, ps in param_groups(model, tc.stage_lr_mults is not None).items() if ps]
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=_fused_adamw(model) or None)
 
 
@@ -132,7 +141,7 @@ def check_schedule(tc: TrainConfig, old: dict, state: dict, out: Path) -> None:
     term's start, other settings would rewrite the record of the steps already trained: refused,
     one line each. A finished run may be extended (a larger total): its schedule is kept, at its end."""
     for k in RUN_SCHEDULE:
-        if k in old and old[k] != getattr(tc, k):
+        if (k in old or k == "stage_lr_mults") and old.get(k) != getattr(tc, k):
             flag = f"--{k.replace('_', '-')}"
             raise UserError(f"--resume: {out} was trained with {flag} {old[k]}; a resumed run keeps it "
                             f"({flag} {getattr(tc, k)} would rewrite the record of the steps already trained): "

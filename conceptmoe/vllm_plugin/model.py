@@ -233,6 +233,7 @@ class ConceptMoEForCausalLM(nn.Module):
         cos, sin = self._rope(pos, x.dtype)
         for blk, lin, attn, fused in self._layers["encoder"]:
             x = run_block(blk, lin, attn, fused, x, cos, sin)
+        x = self.model.encoder_out(x)
         return (x, *self._route(x, pos, *route))
 
     def _route(self, h: torch.Tensor, pos: torch.Tensor, carry: torch.Tensor, kept: torch.Tensor,
@@ -250,7 +251,7 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def _decoder(self, x: torch.Tensor, z: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = self._rope(pos, x.dtype)
-        h = x + z
+        h = self.model.skip_out(x) + z
         for blk, lin, attn, fused in self._layers["decoder"]:
             h = run_block(blk, lin, attn, fused, h, cos, sin, z)
         return self.model.norm(h)
@@ -278,7 +279,7 @@ class ConceptMoEForCausalLM(nn.Module):
         cos, sin = self._rope(c_pos, c.dtype)
         for blk, lin, attn, fused in self._layers["concept"]:
             c = run_block(blk, lin, attn, fused, c, cos, sin)
-        return c
+        return self.model.concept_out(c)
 
     # -- the pieces ------------------------------------------------------------------------------
 
