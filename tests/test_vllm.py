@@ -98,6 +98,17 @@ def test_conceptmoe_is_exact_when_its_estimate_falls_short(cm_estimated):
     assert cm_estimated["grown"] == cm_estimated["want_grow"]
 
 
+def test_a_flagged_step_leaves_no_trace(cm, cm_estimated, moe):
+    """Issue 68: echo + logprobs over a prompt flagged at its last chunk (it killed vLLM's engine),
+    and seeded sampling across a flag (the dropped draw moved the generator): the estimated
+    server's log-probabilities are the model's, and its seeded texts are the unforced server's."""
+    assert cm_estimated["recomputed"] > 0
+    for figures in (cm, cm_estimated, moe):
+        assert figures["echo"] == pytest.approx(figures["want_echo"], abs=2e-4)
+    assert cm_estimated["seeded"] == cm["seeded"]
+    assert cm_estimated["again"] == cm_estimated["want"][:3]  # alive, and exact, after it
+
+
 def test_concept_ratio_is_refused_where_it_cannot_be_served(cm, moe):
     assert moe["refused"][0] == 400 and "ConceptMoE runs only" in moe["refused"][1]
     assert cm["refused"][0] == 400 and "trained for R=2 only" in cm["refused"][1]

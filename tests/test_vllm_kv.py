@@ -122,14 +122,37 @@ def test_a_torn_report_is_not_used(manager):
     assert to_allocate(manager, "r", 100, 16) == 3 - 1
 
 
-def test_the_table_is_shared_by_pid_and_zeroed_by_the_scheduler(tmp_path, monkeypatch):
+def test_the_table_is_shared_by_pid_and_key_and_made_by_the_scheduler_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(feedback, "FEEDBACK_DIR", tmp_path)
+    monkeypatch.setenv(feedback.KEY_ENV, "k1")
     scheduler = FeedbackTable(1234, 8, fresh=True)
-    worker = FeedbackTable(1234, 8)
+    worker = FeedbackTable(1234)
+    assert worker.num_blocks == 8
     worker.report_many(np.array([3]), [7], [40], [17], [0])
     assert scheduler.report(3, 7) == (40, 17, 0)
     assert scheduler.report(3, 8) is None  # another epoch's
-    assert FeedbackTable(1234, 8, fresh=True).report(3, 7) is None  # a new scheduler with the same pid
+    assert oct(scheduler.path.stat().st_mode & 0o777) == oct(0o600) and "k1" in scheduler.path.name
+    # a table of that name made already (another engine's, another user's, or planted): refused, one line
+    with pytest.raises(FeedbackError, match="exists already") as e:
+        FeedbackTable(1234, 8, fresh=True)
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv(feedback.KEY_ENV, "k2")  # another launch: another name, nothing shared
+    with pytest.raises(FeedbackError, match="cannot open"):
+        FeedbackTable(1234)
+    other = FeedbackTable(1234, 8, fresh=True)
+    assert other.path != scheduler.path and other.report(3, 7) is None
+    scheduler.path.chmod(0o644)  # open to others: the model refuses it
+    monkeypatch.setenv(feedback.KEY_ENV, "k1")
+    with pytest.raises(FeedbackError, match="open to others"):
+        FeedbackTable(1234)
+
+
+def test_each_launch_draws_its_own_key(monkeypatch):
+    monkeypatch.delenv(feedback.KEY_ENV, raising=False)
+    a = feedback.session_key()
+    assert a == feedback.session_key() and len(a) == 32
+    monkeypatch.delenv(feedback.KEY_ENV)
+    assert feedback.session_key() != a
 
 
 def test_a_table_that_cannot_be_opened_is_an_error(tmp_path, monkeypatch):

@@ -54,6 +54,23 @@ def reference(run, ps: list[list[int]], new: int) -> list[list[int]]:
     return [model.generate(torch.tensor([p]), new, temperature=0)[0, len(p):].tolist() for p in ps]
 
 
+def prompt_logprobs(url: str, prompt: list[int]) -> list[float]:
+    """``echo`` + ``logprobs`` (lm-eval's loglikelihood request): each prompt token's log-probability
+    after the first, as the server gives it."""
+    r = httpx.post(url + "/v1/completions", timeout=300, json={
+        "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0})
+    r.raise_for_status()
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(prompt)]
+
+
+def reference_logprobs(run, prompt: list[int]) -> list[float]:
+    model, *_ = load_run(run, "cpu")
+    model.eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    return [logp[t, prompt[t + 1]].item() for t in range(len(prompt) - 1)]
+
+
 def grow(url: str) -> list[list[int]]:
     """The grow load, its 16 prompts in one request: they reach the engine together, so they run
     together and outgrow the budget. Sent as 16 concurrent requests instead, they trickled in
@@ -73,6 +90,7 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
     with vllm_server(run, runs / f"{label}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
                      "--vllm-args", vllm_args, *cli, env=env) as url:
         got = complete(url, prompts(), NEW)
+        echo = prompt_logprobs(url, prompts()[8])  # prefilled whole: flagged at its last chunk when estimated
         grown = grow(url)
         again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
         # Seeded, a short prompt and one of 57 tokens, prefilled in 16-token chunks whose draws are
@@ -88,6 +106,7 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
         if serves_long:
             long = complete(url, [long_prompt()], NEW)
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
+                   "echo": echo, "want_echo": reference_logprobs(run, prompts()[8]),
                    "want_grow": want_grow, "seeded": seeded, "copies": copies,
                    "preemptions": metric(url, "vllm:num_preemptions_total")}
     if serves_long:

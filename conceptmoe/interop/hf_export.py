@@ -53,6 +53,19 @@ def _transformers():
     return transformers
 
 
+def hf_tokenizer(run: Path, tok, ids: dict, pad: str | None = None):
+    """The run's tokenizer as transformers' ``PreTrainedTokenizerFast``, its special tokens named
+    (bos, eos, pad: the run's own ids), ``pad`` added when the run has no pad token. Saved beside an
+    export, its ``tokenizer_config.json`` names this class: ``AutoTokenizer`` (vLLM, lm-eval's
+    ``hf``) then tokenizes with the run's own pre-tokenizer and normaliser, not those of the tokenizer
+    class of the config's ``model_type`` (issue 68: Qwen2's regex and NFC split the run's text otherwise)."""
+    eos = eos_list(ids)
+    named = {"bos_token": ids["bos_token_id"], "eos_token": eos[0] if eos else None, "pad_token": ids["pad_token_id"]}
+    names = {k: tok.id_to_token(i) for k, i in named.items() if i is not None and tok.id_to_token(i) is not None}
+    return _transformers().PreTrainedTokenizerFast(tokenizer_file=str(run / "tokenizer.json"),
+                                                   **{**({"pad_token": pad} if pad else {}), **names})
+
+
 def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
                       concept_ratio: float | None = None, extrapolate: bool = False,
                       max_model_len: int | None = None) -> Path:
@@ -67,9 +80,7 @@ def export_conceptmoe(run: str | Path, out: str | Path, force: bool = False,
     model = model.float().eval()
     ids = token_ids(run_cfg, tok)
     eos = eos_list(ids)
-    named = {"bos_token": ids["bos_token_id"], "eos_token": eos[0] if eos else None, "pad_token": ids["pad_token_id"]}
-    names = {k: tok.id_to_token(i) for k, i in named.items() if i is not None and tok.id_to_token(i) is not None}
-    hf_tok = tr.PreTrainedTokenizerFast(tokenizer_file=str(run / "tokenizer.json"), **{"pad_token": PAD, **names})
+    hf_tok = hf_tokenizer(run, tok, ids, PAD)
     pad = hf_tok.pad_token_id
     if pad >= cfg.vocab_size:  # generate feeds pad_token_id to finished rows: it must be a token of the model
         pad = eos[0] if eos else prefix_id(ids, tok)

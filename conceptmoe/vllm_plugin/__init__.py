@@ -4,6 +4,7 @@ servable by vLLM, its concept layers' KV cache paged at concept rate (CONCEPTMOE
 ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM calls it in every
 process it starts (API server, engine core, workers), so it is idempotent. It registers the
 transformers config, the model class and the concept KV-cache spec with its manager (``kv.py``),
+makes a request recomputed after a flagged step leave no trace on the worker (``recompute.py``),
 and, on CPU, fixes seeded sampling of split prompts in vLLM's CPU engine (``seeded.py``). Loaded
 with ``--scheduler-cls`` (``SCHEDULER``), ``sched.py`` allocates the concept cache from estimates.
 The model is ``model.py``; ``launch.py`` starts a vLLM server for a run (``conceptmoe serve
@@ -65,12 +66,19 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.platforms import current_platform
 
+    from .feedback import session_key
+
+    session_key()  # drawn here, before vLLM starts its engine processes: they inherit it (feedback.py)
+
     from ..interop.hf_model import register as register_transformers
 
     register_transformers()  # AutoConfig knows model_type "conceptmoe" without remote code
     from .kv import register_spec
 
     register_spec()
+    from .recompute import patch as recompute_as_if_never_run
+
+    recompute_as_if_never_run()  # a flagged step leaves no trace on the worker (recompute.py)
     if current_platform.is_cpu():  # the bug is in vLLM 0.32's CPU engine only (seeded.py)
         from .seeded import patch as fix_seeded_cpu_sampling
 

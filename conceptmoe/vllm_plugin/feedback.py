@@ -20,7 +20,11 @@ Each entry is one request (keyed by its first concept block, in the scheduler's 
 written under a sequence lock: the sequence number is odd while a write is under way, and a read
 that sees it odd or changed is discarded, so a torn entry is never used. The table is a file in
 shared memory that both engine processes map (vLLM's "mp" executor runs the model in a child of
-the EngineCore process; the "uni" executor inside it), named after the EngineCore's pid.
+the EngineCore process; the "uni" executor inside it). Its name holds the EngineCore's pid and a
+random key (``session_key``) that the first process to load the plugin draws and its children
+inherit: no other launch, container or user can guess it or share it. The scheduler creates the
+file exclusively, mode 0600, and removes it at exit; a file of that name that exists already is
+refused with one line, and the model opens only a file of its own user, closed to others.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -36,6 +42,7 @@ import numpy as np
 FEEDBACK_DIR = Path(os.environ.get("CONCEPTMOE_VLLM_FEEDBACK_DIR", "/dev/shm" if Path("/dev/shm").is_dir()
                                    else tempfile.gettempdir()))
 
+KEY_ENV = "CONCEPTMOE_VLLM_FEEDBACK_KEY"  # the launch's random key, inherited by the engine's processes
 ESTIMATED, HANDLED = 1, 2  # grant mode bits
 OVERFLOW, BROKEN = 1, 2  # report flags
 
@@ -47,28 +54,56 @@ class FeedbackError(RuntimeError):
     pass
 
 
+def session_key() -> str:
+    """This launch's key: drawn by the first process that asks (``register``, before vLLM starts
+    its engine processes), inherited by them through the environment."""
+    if not os.environ.get(KEY_ENV):
+        os.environ[KEY_ENV] = secrets.token_hex(16)
+    return os.environ[KEY_ENV]
+
+
+def table_path(engine_pid: int) -> Path:
+    return FEEDBACK_DIR / f"conceptmoe-vllm-{session_key()}-{engine_pid}.feedback"
+
+
 class FeedbackTable:
     """Grants and reports per key (a block id), in a file both engine processes map."""
 
-    def __init__(self, engine_pid: int, num_blocks: int, fresh: bool = False) -> None:
-        """``fresh``: zero it (the scheduler's side, before any request runs: a file left by an
-        earlier process of the same pid must not be read). Raises ``FeedbackError`` with one line
-        when the file cannot be made: without it the concept cache cannot be served."""
-        self.path = FEEDBACK_DIR / f"conceptmoe-vllm-{engine_pid}.feedback"
+    def __init__(self, engine_pid: int, num_blocks: int = 0, fresh: bool = False) -> None:
+        """``fresh``: create it for ``num_blocks`` keys (the scheduler's side, before any request
+        runs), exclusively and zeroed; else open the scheduler's, at its size. Raises ``FeedbackError`` with one line when the file
+        cannot be made or opened, or is not this user's alone: without it the concept cache
+        cannot be served."""
+        self.path = table_path(engine_pid)
         self.num_blocks = max(num_blocks, 1)
         size = self.num_blocks * _WIDTH * 8
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)
-                self._map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if fresh else 0) | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            raise FeedbackError(f"ConceptMoE in vLLM: its scheduler-worker table {self.path} exists already (another "
+                                f"engine's, or left by a killed one): refusing to share it; remove it, or start "
+                                f"from a new shell") from None
         except OSError as e:
             raise FeedbackError(f"ConceptMoE in vLLM: cannot open its scheduler-worker table {self.path} ({e}); "
                                 f"set CONCEPTMOE_VLLM_FEEDBACK_DIR to a writable folder on a memory file "
                                 f"system") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                raise FeedbackError(f"ConceptMoE in vLLM: its scheduler-worker table {self.path} belongs to another "
+                                    f"user or is open to others (mode {stat.S_IMODE(st.st_mode):o}): refused")
+            if fresh:
+                os.ftruncate(fd, size)
+            else:  # the scheduler's size: its keys are blocks in its units
+                self.num_blocks = st.st_size // (_WIDTH * 8)
+                size = self.num_blocks * _WIDTH * 8
+            if not size:
+                raise FeedbackError(f"ConceptMoE in vLLM: its scheduler-worker table {self.path} is empty: refused")
+            self._map = mmap.mmap(fd, size)
+        except OSError as e:
+            raise FeedbackError(f"ConceptMoE in vLLM: cannot map its scheduler-worker table {self.path} ({e})") from None
+        finally:
+            os.close(fd)
         self.table = np.ndarray((self.num_blocks, _WIDTH), dtype=np.int64, buffer=self._map)
         if fresh:
             self.table[:] = 0
@@ -130,7 +165,7 @@ _TABLES: dict[int, FeedbackTable] = {}
 
 
 def shared_table(num_blocks: int) -> FeedbackTable:
-    """This scheduler process's table: zeroed once (several concept groups share it), removed at exit."""
+    """This scheduler process's table: created once (several concept groups share it), removed at exit."""
     pid = os.getpid()
     if pid not in _TABLES:
         _TABLES[pid] = table = FeedbackTable(pid, num_blocks, fresh=True)

@@ -170,6 +170,7 @@ class ConceptAttentionManager(FullAttentionManager):
         self.estimates = False
         self.rates: dict[str, float] = {}  # request id -> 1/R (the scheduler's, per request)
         self.safe: set[str] = set()  # requests recomputed at the safe bound
+        self.boost: dict[str, float] = {}  # requests recomputed at a larger margin (the bound would not fit)
         self.epochs: dict[str, int] = {}
         self._granted: dict[str, tuple[int, int, int, int]] = {}  # the last grant written, per request
         self.margin, self.pad = _estimate_terms()
@@ -202,7 +203,8 @@ class ConceptAttentionManager(FullAttentionManager):
         if not self.estimates or request_id in self.safe:
             return bound, bound
         rate = self.rates.get(request_id, 1.0 / self.kv_cache_spec.compression)
-        return estimated_slots(num_tokens, reported, rate, self.margin, self.pad), bound
+        margin = self.margin * self.boost.get(request_id, 1.0)
+        return estimated_slots(num_tokens, reported, rate, margin, self.pad), bound
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
         return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens)[0], *args,
@@ -236,6 +238,7 @@ class ConceptAttentionManager(FullAttentionManager):
         """The request has finished: drop what the scheduler told about it."""
         self.rates.pop(request_id, None)
         self.safe.discard(request_id)
+        self.boost.pop(request_id, None)
 
 
 class ConceptCache:

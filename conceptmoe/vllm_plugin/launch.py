@@ -79,7 +79,8 @@ def model_folder(run: str | Path, max_model_len: int | None = None) -> tuple[Pat
     want = max(trained_length(cfg), max_model_len or 0)
     weights, exported = run / "model.safetensors", out / "model.safetensors"
     stale = (not exported.is_file() or (weights.is_file() and weights.stat().st_mtime > exported.stat().st_mtime)
-             or _positions(out) != want)
+             or _positions(out) != want
+             or not (out / "tokenizer_config.json").is_file())  # made before exports named their tokenizer class
     if stale:
         export_hf(run, out, force=True, max_model_len=max_model_len)
     return out, json.loads((out / "config.json").read_text()).get("model_type") == "conceptmoe"

@@ -6,8 +6,11 @@ Load it with ``--scheduler-cls conceptmoe.vllm_plugin.sched.ConceptScheduler`` (
 (its ``concept_ratio``, else the export's), and after every step reads the model's flags:
 
 - ``OVERFLOW``: the step made more concepts than the estimate granted. Nothing of the request's
-  concepts was written; its output for the step is dropped and it is preempted, so vLLM recomputes
-  it from its first token, this time at the safe bound. Its tokens stay exact.
+  concepts was written; everything the step produced for it (its sampled token, its prompt
+  log-probabilities) is dropped and it is preempted, so vLLM recomputes it from its first token,
+  this time at the safe bound; the worker forgets the step too (``recompute.py``: the seeded
+  generator's draw, the prompt log-probabilities already returned). Its tokens stay exact, and a
+  seeded request's text is the one it gives unflagged.
 - ``BROKEN``: a bound grant was short, which should never happen: the request ends with an error
   (finish reason ``error``), logged, and nothing else is touched.
 
@@ -24,7 +27,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from .feedback import BROKEN, OVERFLOW
-from .kv import ConceptAttentionManager
+from .kv import ConceptAttentionManager, estimated_slots
 from .ratio import request_ratio
 
 logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
@@ -59,11 +62,14 @@ class ConceptScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         flags = self._flags(scheduler_output) if self.concept_managers else {}
-        sampled = model_runner_output.sampled_token_ids
-        for req_id in flags:  # the step's output of a flagged request is not its own: dropped
-            i = model_runner_output.req_id_to_index.get(req_id)
-            if i is not None and sampled and i < len(sampled):
-                sampled[i] = []
+        out = model_runner_output
+        for req_id in flags:  # everything the step made for a flagged request is dropped (recompute.py)
+            i = out.req_id_to_index.get(req_id)
+            if i is not None and out.sampled_token_ids and i < len(out.sampled_token_ids):
+                out.sampled_token_ids[i] = []
+            for made in (out.prompt_logprobs_dict, out.prompt_token_id_logprobs_dict):
+                if made:
+                    made.pop(req_id, None)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if not flags:
             return outputs
@@ -78,17 +84,45 @@ class ConceptScheduler(Scheduler):
             elif f == OVERFLOW and request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._preempt_request(request, now)
-                for m in self.concept_managers:
-                    m.safe.add(req_id)
+                how = self._plan_recompute(request)
+                if how is None:
+                    broken.append(req_id)
+                    logger.error("ConceptMoE: request %s makes more concepts than this KV cache can hold for it "
+                                 "(%d tokens); ended with an error", req_id, request.num_tokens)
+                    continue
                 self.recomputed += 1
-                logger.info("ConceptMoE: request %s made more concepts than its estimate; recomputed at the safe "
-                            "bound (%d so far)", req_id, self.recomputed)
+                logger.info("ConceptMoE: request %s made more concepts than its estimate; recomputed at %s "
+                            "(%d so far)", req_id, how, self.recomputed)
         for request in self.finish_requests(broken, RequestStatus.FINISHED_ERROR) if broken else []:
             out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                    finish_reason=request.get_finished_reason(), events=request.take_events(),
                                    trace_headers=request.trace_headers)
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(out)
         return outputs
+
+    def _plan_recompute(self, request) -> str | None:
+        """How a flagged request is recomputed. At the safe bound (never short) when the pool could
+        hold it there, every group at one slot a token: it is admitted as soon as blocks free up,
+        and cannot stall the queue behind it. Otherwise (a KV budget vLLM accepted for
+        max_model_len / R concepts) at the estimate with its margin doubled, each flag again, while
+        that is short of the bound and the pool could hold it; None: nothing that fits can serve it."""
+        rid, n = request.request_id, request.num_tokens + 1
+        pool = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less the null block
+        token = [m for m in self.kv_cache_manager.coordinator.single_type_managers
+                 if not isinstance(m, ConceptAttentionManager)]
+        need = sum(-(-n // m.block_size) for m in token)
+        if need + sum(-(-n // m.block_size) for m in self.concept_managers) <= pool:
+            for m in self.concept_managers:
+                m.safe.add(rid)
+            return "the safe bound"
+        for m in self.concept_managers:
+            m.boost[rid] = m.boost.get(rid, 1.0) * 2
+            rate = m.rates.get(rid, 1.0 / m.kv_cache_spec.compression)
+            slots = estimated_slots(n, None, rate, m.margin * m.boost[rid], m.pad)
+            if slots >= n:  # the estimate has reached the bound, which does not fit
+                return None
+            need += -(-slots // m.block_size)
+        return None if need > pool else f"{m.boost[rid]:g}x the estimate's margin"
 
     def _free_request(self, request, *args, **kwargs):
         for m in self.concept_managers:
