@@ -53,7 +53,7 @@ def moe(runs):
 
 @pytest.fixture(scope="module")
 def cm(runs):
-    return serve_and_check(runs, "cm")
+    return serve_and_check(runs, "cm", fuzzed=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def cm_estimated(runs):
     outruns it, is recomputed, and must still be exact."""
     return serve_and_check(runs, "cm", label="cm-estimated", vllm_args=LONG_ARGS.replace("batched-tokens 16",
                                                                                        "batched-tokens 64"),
-                           env={"CONCEPTMOE_VLLM_ESTIMATE": "0.01,0"})
+                           env={"CONCEPTMOE_VLLM_ESTIMATE": "0.01,0"}, fuzzed=True)
 
 
 def test_moe_export_in_vllm_is_exact(moe, runs):
@@ -107,6 +107,16 @@ def test_a_flagged_step_leaves_no_trace(cm, cm_estimated, moe):
         assert figures["echo"] == pytest.approx(figures["want_echo"], abs=2e-4)
     assert cm_estimated["seeded"] == cm["seeded"]
     assert cm_estimated["again"] == cm_estimated["want"][:3]  # alive, and exact, after it
+
+
+def test_hostile_traffic_never_stops_the_engine(cm, cm_estimated):
+    """Issue 68 item 4 (tests/vllm_fuzz.py): the default estimate and one forced short, at a budget
+    that binds; echo, n, seeds, stops, streams and dropped streams, random and repeated ids."""
+    for figures in (cm, cm_estimated):
+        assert all(figures["fuzz"]["exact_after"]), figures["fuzz"]
+        kinds = {k.split(":")[0] for k in figures["fuzz"]["seen"]}
+        assert {"echo", "stream", "drop", "seed"} <= kinds, figures["fuzz"]["seen"]
+    assert cm_estimated["recomputed"] > 0
 
 
 def test_concept_ratio_is_refused_where_it_cannot_be_served(cm, moe):

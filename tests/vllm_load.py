@@ -80,8 +80,9 @@ def grow(url: str) -> list[list[int]]:
 
 
 def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_args: str = VLLM_ARGS,
-                    env: dict | None = None) -> dict:
-    """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures."""
+                    env: dict | None = None, fuzzed: bool = False) -> dict:
+    """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures.
+    ``fuzzed``: then hostile traffic (``vllm_fuzz.py``), the server exact after each batch."""
     run = runs / name
     label = label or name
     serves_long = "--max-model-len 224" in vllm_args
@@ -105,12 +106,18 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
             "prompt": prompts()[0], "max_tokens": 2, "vllm_xargs": {"concept_ratio": 3.0}})
         if serves_long:
             long = complete(url, [long_prompt()], NEW)
+        if fuzzed:
+            from vllm_fuzz import fuzz
+
+            hostile = fuzz(url, (prompts()[0], want[0]), 224 if serves_long else 128)
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
                    "echo": echo, "want_echo": reference_logprobs(run, prompts()[8]),
                    "want_grow": want_grow, "seeded": seeded, "copies": copies,
                    "preemptions": metric(url, "vllm:num_preemptions_total")}
     if serves_long:
         figures["long"], figures["want_long"] = long, reference(run, [long_prompt()], NEW)
+    if fuzzed:
+        figures["fuzz"] = hostile
     log = (runs / f"{label}.log").read_text()
     figures["recomputed"] = len(re.findall(r"made more concepts than its estimate", log))
     figures["kv_tokens"] = int(re.search(r"KV cache size: ([0-9,]+) tokens", log).group(1).replace(",", ""))

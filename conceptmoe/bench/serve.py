@@ -49,6 +49,13 @@ class ServeBenchSettings:
     concept_ratios: list[float] = field(default_factory=list)  # for elastic runs: one measurement per R
     seed: int = 0
     temperature: float = 0.0
+    # --engine vllm only (bench/workloads.py): the load's shape, and prefix caching where the run's
+    # server has it ("on": every server that supports it; the row says whether it had it)
+    workload: str = "random"
+    prefixes: int = 6
+    prefix_len: int = 1200
+    turns: int = 4
+    prefix_caching: str = "off"
 
     def check(self) -> None:
         if not self.runs:
@@ -63,6 +70,12 @@ class ServeBenchSettings:
             raise UserError(f"--concurrency must be >= 1 (got {self.concurrency})")
         if len(set(self.concept_ratios)) != len(self.concept_ratios):
             raise UserError("--concept-ratios lists a ratio twice")
+        from .workloads import WORKLOADS
+
+        if self.workload not in WORKLOADS:
+            raise UserError(f"--workload must be one of {', '.join(WORKLOADS)} (got {self.workload!r})")
+        if self.prefix_caching not in ("on", "off"):
+            raise UserError(f"--prefix-caching must be on or off (got {self.prefix_caching!r})")
 
 
 def make_requests(ids: list[int], s: ServeBenchSettings) -> list[dict]:

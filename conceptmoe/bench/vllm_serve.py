@@ -30,6 +30,7 @@ import httpx
 from ..device import machine
 from ..errors import UserError
 from .serve import ServeBenchSettings, _stats, make_requests, points
+from .workloads import chat_turns, longest, shared_prefix_requests
 
 READY = re.compile(r"^serving .* with vLLM at ", re.M)
 
@@ -70,7 +71,7 @@ def start(run: str, s: ServeBenchSettings, max_len: int, vllm_args: str, log: Pa
 async def _one(http: httpx.AsyncClient, body: dict) -> dict:
     t0 = time.perf_counter()
     first = last = None
-    n = 0
+    n, ids = 0, []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise UserError(f"a request failed with {r.status_code}: {(await r.aread()).decode()[:200]}")
@@ -84,7 +85,8 @@ async def _one(http: httpx.AsyncClient, body: dict) -> dict:
                     now = time.perf_counter()
                     first = first or now
                     last, n = now, n + k
-    return {"ttft": (first or t0) - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n}
+                    ids += c["token_ids"]
+    return {"ttft": (first or t0) - t0, "tpot": (last - first) / (n - 1) if n > 1 else None, "tokens": n, "ids": ids}
 
 
 async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict) -> tuple[list[dict], float]:
@@ -96,7 +98,8 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict)
     body = {"stream": True, "ignore_eos": True, "temperature": s.temperature, "seed": s.seed, "return_token_ids": True,
             **extra}
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
-        await _one(http, {**reqs[0], **body, "max_tokens": 2})  # warm-up
+        first = {"prompt": reqs[0]["turns"][0]} if "turns" in reqs[0] else {"prompt": reqs[0]["prompt"]}
+        await _one(http, {**first, **body, "max_tokens": 2})  # warm-up (a prefix it caches is every run's)
 
         async def send(r, delay):
             await asyncio.sleep(delay)
@@ -107,8 +110,20 @@ async def _drive(url: str, reqs: list[dict], s: ServeBenchSettings, extra: dict)
             delays.append(t)
             if s.rate != float("inf"):
                 t += rng.expovariate(s.rate)
+        async def talk(turns, delay):  # a conversation: each turn resends it so far, after the last answer
+            await asyncio.sleep(delay)
+            async with sem:
+                history, done = [], []
+                for new in turns:
+                    done.append(await _one(http, {"prompt": history + new, "max_tokens": s.output_len, **body}))
+                    history = history + new + done[-1]["ids"]
+                return done
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(send(r, d) for r, d in zip(reqs, delays)))
+        if reqs and "turns" in reqs[0]:
+            results = [r for c in await asyncio.gather(*(talk(r["turns"], d) for r, d in zip(reqs, delays))) for r in c]
+        else:
+            results = await asyncio.gather(*(send({k: v for k, v in r.items() if k != "prefix"}, d)
+                                             for r, d in zip(reqs, delays)))
         return results, time.perf_counter() - t0
 
 
@@ -136,6 +151,7 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
                 except httpx.HTTPError:
                     pass
     before = _metric(url, "vllm:num_preemptions_total")
+    cache = [_metric(url, f"vllm:prefix_cache_{k}_total") for k in ("queries", "hits")]
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
@@ -149,7 +165,30 @@ def measure(url: str, label: str, reqs: list[dict], s: ServeBenchSettings, extra
             "ttft_s": _stats([r["ttft"] for r in results]),
             "tpot_s": _stats([r["tpot"] for r in results if r["tpot"] is not None]),
             "peak_concurrent": max(samples, default=0), "mean_concurrent": _mean_running(samples),
-            "preemptions": _metric(url, "vllm:num_preemptions_total") - before}
+            "preemptions": _metric(url, "vllm:num_preemptions_total") - before,
+            "prefix_cache_hit_rate": _hit_rate(url, cache)}
+
+
+def _hit_rate(url: str, before: list[float]) -> float | None:
+    """Prefix-cache hits over lookups, in tokens, during the load (None: nothing looked up: caching off)."""
+    queries, hits = (_metric(url, f"vllm:prefix_cache_{k}_total") - b for k, b in zip(("queries", "hits"), before))
+    return hits / queries if queries > 0 else None
+
+
+def load_requests(held_out: list[int], s: ServeBenchSettings) -> list[dict]:
+    """The load's requests (``workloads.py``); a chat's are its conversations (``turns``)."""
+    if s.workload == "shared-prefix":
+        return shared_prefix_requests(held_out, s.requests, s.prefixes, s.prefix_len, s.prompt_len, s.output_len,
+                                      s.seed)
+    if s.workload == "chat":
+        return [{"turns": c} for c in chat_turns(held_out, s.requests, s.turns, s.prompt_len, s.seed)]
+    return make_requests(held_out, s)
+
+
+def caching_args(s: ServeBenchSettings, cfg) -> str:
+    """vLLM's flag for prefix caching where ``--prefix-caching on`` and the run's server has it: a
+    MoE export; the ConceptMoE plugin refuses it (``refuse.py``) until concept blocks are cached."""
+    return " --enable-prefix-caching" if s.prefix_caching == "on" and not cfg.is_concept else ""
 
 
 def _mean_running(samples: list[int]) -> float:
@@ -176,8 +215,9 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
     from ..training.checkpoint import load_run_meta
 
     s.check()
-    reqs = make_requests(held_out, s)
-    max_len = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)  # vLLM refuses more than the model's positions
+    reqs = load_requests(held_out, s)
+    convs = [r["turns"] for r in reqs] if s.workload == "chat" else None
+    max_len = longest(reqs, convs, s.output_len)  # vLLM refuses more than the model's positions
     servers = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -186,7 +226,7 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
                 for label, R in points(run, cfg, s):  # a server each, as bench/serve.py
                     print(f"bench serve (vLLM): starting {label} ...", file=sys.stderr, flush=True)
                     log = Path(tmp) / f"server-{len(servers)}.log"
-                    proc, url = start(run, s, max_len, vllm_args, log)
+                    proc, url = start(run, s, max_len, vllm_args + caching_args(s, cfg), log)
                     servers.append((run, cfg, label, R, proc, url, log))
             measured: list[list[dict]] = [[] for _ in servers]
             for i in range(repeats):
@@ -203,7 +243,8 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
         for (run, cfg, label, R, proc, url, log), got in zip(servers, measured):
             row = median_repeat(got)
             m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
-            row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None)
+            row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None,
+                       prefix_caching=bool(caching_args(s, cfg)))
             rows.append(row)
     return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args, "repeats": repeats,
                          "interleaved": True}, "machine": machine(), "rows": rows}
@@ -214,7 +255,7 @@ def format_table(report: dict) -> str:
     n = report["settings"].get("repeats", 1)
     tok_s = f"out tok/s (median of {n}; min–max)" if n > 1 else "out tok/s"
     lines = [f"| run (vLLM) | req/s | {tok_s} | vs first | TTFT mean / p50 / p99 (s) | TPOT mean / p50 / p99 (ms) "
-             "| running peak / mean | preemptions | KV cache (tokens) |", "|" + "---|" * 9]
+             "| running peak / mean | preemptions | KV cache (tokens) | prefix-cache hits |", "|" + "---|" * 10]
     for r in rows:
         t, p = r["ttft_s"], r["tpot_s"]
         tp = " / ".join("-" if v is None else f"{1000 * v:.1f}" for v in (p["mean"], p["p50"], p["p99"]))
@@ -224,8 +265,18 @@ def format_table(report: dict) -> str:
                      f"| {r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x "
                      f"| {t['mean']:.2f} / {t['p50']:.2f} / {t['p99']:.2f} | {tp} "
                      f"| {r['peak_concurrent']} / {r.get('mean_concurrent', 0):.1f} "
-                     f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} |")
+                     f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} | {_hits(r)} |")
+    st = report["settings"]
+    load = {"shared-prefix": f"; {st['prefixes']} shared prefixes of {st['prefix_len']} tokens",
+            "chat": f"; chat, {st['turns']} turns a conversation"}.get(st.get("workload", "random"), "")
     m = report["machine"]
     lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); "
-                 f"KV budget {report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}")
+                 f"KV budget {report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}{load}")
     return "\n".join(lines)
+
+
+def _hits(row: dict) -> str:
+    if not row.get("prefix_caching"):
+        return "off"
+    rate = row.get("prefix_cache_hit_rate")
+    return "-" if rate is None else f"{100 * rate:.0f}%"

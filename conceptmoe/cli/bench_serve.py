@@ -72,6 +72,16 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
                         "pair's analytic limits; writes long.json, long.md and long.png")
     p.add_argument("--unbound-kv-cache-mb", type=float, default=None, metavar="MB",
                    help="with --prompt-lens: a second budget, one that holds every load (default: none)")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "chat"), default="random",
+                   help="--engine vllm: independent prompts (default); shared-prefix: --prefixes system prompts "
+                        "of --prefix-len tokens, each before its own questions of --prompt-len; chat: "
+                        "conversations of --turns turns, each resending the conversation so far")
+    p.add_argument("--prefixes", type=int, default=6, help="shared-prefix: system prompts (default 6)")
+    p.add_argument("--prefix-len", type=int, default=1200, help="shared-prefix: tokens a system prompt (default 1200)")
+    p.add_argument("--turns", type=int, default=4, help="chat: turns a conversation (default 4)")
+    p.add_argument("--prefix-caching", choices=("on", "off"), default="off",
+                   help="--engine vllm: vLLM's prefix caching on every server that has it (the MoE's; a "
+                        "ConceptMoE's server has not yet: its row says off) (default off)")
     p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -87,7 +97,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                            output_len=args.output_len, len_spread=args.len_spread, rate=args.rate,
                            concurrency=args.concurrency, kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
                            dtype=args.dtype, device=args.device, threads=args.threads,
-                           concept_ratios=args.concept_ratios, seed=args.seed, temperature=args.temperature)
+                           concept_ratios=args.concept_ratios, seed=args.seed, temperature=args.temperature,
+                           workload=args.workload, prefixes=args.prefixes, prefix_len=args.prefix_len,
+                           turns=args.turns, prefix_caching=args.prefix_caching)
     from .held_out import run_held_out_ids
 
     s.check()
@@ -99,6 +111,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise UserError("--prompt-lens and --unbound-kv-cache-mb apply to --engine vllm")
     if args.unbound_kv_cache_mb is not None and not args.prompt_lens:
         raise UserError("--unbound-kv-cache-mb applies with --prompt-lens")
+    if (args.workload != "random" or args.prefix_caching == "on") and (args.engine != "vllm" or args.prompt_lens):
+        raise UserError("--workload and --prefix-caching apply to --engine vllm without --prompt-lens")
     if args.prompt_lens:
         return _long(args, s, out)
     if args.engine == "vllm":
