@@ -274,3 +274,19 @@ def test_stages_of_one_method_keep_their_own_graphs():
         for g, at in [(one, [1]), (several, [1, 2]), (one, [4]), (several, [0, 3, 5]), (one, [2])]:
             at = torch.tensor(at)
             torch.testing.assert_close(g(h, at), f(h, at))
+
+
+def test_a_flagged_request_is_recomputed_where_it_fits_or_ended():
+    """Issue 68: a recompute at the safe bound needs one slot a token in every group; where the pool
+    cannot hold that, the estimate's margin doubles (each flag again) while it is short of the bound
+    and fits; beyond that the request is ended rather than left blocking the queue."""
+    from conceptmoe.vllm_plugin.sched import recompute_plan
+
+    one = [(32, 0.5, 1.25, 16, 1.0)]  # a concept group at R = 2, today's estimate
+    assert recompute_plan(200, 14, [32], one) == "safe"  # 7 + 7 blocks
+    assert recompute_plan(200, 13, [32], one) is None  # doubled, 200 x 0.5 x 2.5 + 16 >= 200: the bound, too big
+    assert recompute_plan(200, 11, [32], [(32, 0.5, 0.1, 0, 1.0)]) == [2.0]  # 7 + cdiv(20, 32) = 8 <= 11
+    assert recompute_plan(200, 11, [32], [(32, 0.5, 0.1, 0, 8.0)]) is None  # 7 + cdiv(160, 32) = 12 > 11
+    assert recompute_plan(200, 100, [32], [(32, 0.5, 0.1, 0, 8.0)]) == "safe"
+    two = [(32, 0.5, 0.1, 0, 1.0), (32, 0.5, 0.1, 0, 4.0)]  # several concept groups: each its own boost
+    assert recompute_plan(200, 12, [32], two) == [2.0, 8.0]

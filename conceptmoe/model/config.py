@@ -93,11 +93,8 @@ class ModelConfig:
     # concept with p = 1 (a converted MoE starts where it was; see interop/convert.py).
     dechunk_source: str = "output"
     concept_loops: int = 1  # run the concept-model layers this many times
-    # Dynamic chunking's stage boundaries as H-Net builds them (CONCEPTMOE.md §2, model/lm.py):
-    # an RMSNorm on the encoder's and on the concept stack's output, and a zero-initialised linear
-    # projection of the encoder's output added to the identity skip around the concept stack.
-    stage_norms: bool = False
-    stage_skip: bool = False
+    stage_norms: bool = False  # H-Net's stage norms: RMSNorm on the encoder's and the concept stack's outputs
+    stage_skip: bool = False  # + W ĥ (W zero at init) beside the identity skip around the concept stack
     concept_n_experts: int | None = None  # None: same as n_experts
     concept_top_k: int | None = None  # None: same as top_k
     # --- images in the sequence (model/vision.py; 0: text-only) ---
@@ -296,8 +293,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "ModelConfig":
         p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
-        text = p.read_text() if p is not None else str(text_or_path)
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(json.loads(p.read_text() if p is not None else str(text_or_path)))
 
     def replace(self, **overrides: Any) -> "ModelConfig":
         return self.from_dict({**self.to_dict(), **overrides})
@@ -321,10 +317,10 @@ def tiny() -> ModelConfig:
 def small() -> ModelConfig:
     """Default CPU training model: fine-grained MoE, 8 layers (2 + 4 + 2 for ConceptMoE).
 
-    Two token-rate layers on each side, not one: with 1 + 6 + 1 the compute-matched ConceptMoE
-    never learned in-context copying (induction needs two attention layers at token resolution)
-    and fell 0.20 BPB behind the MoE at 9.6M tokens on code; 2 + 4 + 2 copies, its gap there unresolved
-    (3 seeds, fp32: the README's quality table). The cost: a KV cache of 0.75x the MoE's, not 0.625x.
+    Two token-rate layers on each side, not one: with 1 + 6 + 1 the compute-matched ConceptMoE never
+    learned in-context copying (induction needs two token-level attention layers) and fell 0.20 BPB
+    behind the MoE at 9.6M tokens on code; 2 + 4 + 2 copies, its gap there unresolved (3 seeds, fp32:
+    the README's quality table); its KV cache is 0.75x the MoE's, not 0.625x.
 
     Three settings differ from CONCEPTMOE.md, from the studies in docs/study/report.md and
     docs/study-elastic/README.md: ratio-loss weight 0.5, not the paper's 0.03 (the ratio loss acts
@@ -334,10 +330,9 @@ def small() -> ModelConfig:
     linearly to 8 at the last step, without which the held-out compression (cut at p >= 0.5) missed
     every R but 2 (R = 4 realised 22-46 at 1.2M tokens; annealed: 4.3-4.9).
     """
-    return ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=4, n_layers=8,
-                       n_experts=32, top_k=4, expert_hidden=64, n_shared_experts=1,
-                       shared_hidden=128, n_encoder_layers=2, n_decoder_layers=2,
-                       ratio_loss_weight=0.5, boundary_sharpness=1.0, boundary_sharpness_final=8.0)
+    return ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_kv_heads=4, n_layers=8, n_experts=32, top_k=4,
+                       expert_hidden=64, n_shared_experts=1, shared_hidden=128, n_encoder_layers=2,
+                       n_decoder_layers=2, ratio_loss_weight=0.5, boundary_sharpness=1.0, boundary_sharpness_final=8.0)
 
 
 def paper() -> ModelConfig:

@@ -33,6 +33,27 @@ from .ratio import request_ratio
 logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 
 
+def recompute_plan(n: int, pool: int, token: list[int], concept: list[tuple]) -> str | list[float] | None:
+    """How to recompute a flagged request of ``n`` tokens with ``pool`` blocks in all, ``token``
+    the token groups' block sizes, ``concept`` each concept group's (block size, rate, margin, pad,
+    margin boost so far). "safe": at the safe bound, one slot a token in every group, when the
+    pool could hold that (the request is then admitted as soon as blocks free up, and cannot stall
+    the queue behind it). Otherwise (a KV budget vLLM accepted for max_model_len / R concepts) the
+    estimate with its margin doubled, the new boosts, while that is short of the bound and the pool
+    could hold it. None: nothing that fits can serve it."""
+    need = sum(-(-n // b) for b in token)
+    if need + sum(-(-n // c[0]) for c in concept) <= pool:
+        return "safe"
+    boosts = []
+    for block, rate, margin, pad, boost in concept:
+        boosts.append(boost * 2)
+        slots = estimated_slots(n, None, rate, margin * boosts[-1], pad)
+        if slots >= n:  # the estimate has reached the bound, which does not fit
+            return None
+        need += -(-slots // block)
+    return None if need > pool else boosts
+
+
 class ConceptScheduler(Scheduler):
     """vLLM's scheduler, acting on the ConceptMoE's flags (see the module's docstring)."""
 
@@ -101,28 +122,22 @@ class ConceptScheduler(Scheduler):
         return outputs
 
     def _plan_recompute(self, request) -> str | None:
-        """How a flagged request is recomputed. At the safe bound (never short) when the pool could
-        hold it there, every group at one slot a token: it is admitted as soon as blocks free up,
-        and cannot stall the queue behind it. Otherwise (a KV budget vLLM accepted for
-        max_model_len / R concepts) at the estimate with its margin doubled, each flag again, while
-        that is short of the bound and the pool could hold it; None: nothing that fits can serve it."""
-        rid, n = request.request_id, request.num_tokens + 1
-        pool = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # less the null block
-        token = [m for m in self.kv_cache_manager.coordinator.single_type_managers
+        """How a flagged request is recomputed (``recompute_plan``); sets the managers' state for it."""
+        rid = request.request_id
+        token = [m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers
                  if not isinstance(m, ConceptAttentionManager)]
-        need = sum(-(-n // m.block_size) for m in token)
-        if need + sum(-(-n // m.block_size) for m in self.concept_managers) <= pool:
-            for m in self.concept_managers:
+        concept = [(m.block_size, m.rates.get(rid, 1.0 / m.kv_cache_spec.compression), m.margin, m.pad,
+                    m.boost.get(rid, 1.0)) for m in self.concept_managers]
+        plan = recompute_plan(request.num_tokens + 1, self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+                              token, concept)
+        if plan is None:
+            return None
+        for i, m in enumerate(self.concept_managers):
+            if plan == "safe":
                 m.safe.add(rid)
-            return "the safe bound"
-        for m in self.concept_managers:
-            m.boost[rid] = m.boost.get(rid, 1.0) * 2
-            rate = m.rates.get(rid, 1.0 / m.kv_cache_spec.compression)
-            slots = estimated_slots(n, None, rate, m.margin * m.boost[rid], m.pad)
-            if slots >= n:  # the estimate has reached the bound, which does not fit
-                return None
-            need += -(-slots // m.block_size)
-        return None if need > pool else f"{m.boost[rid]:g}x the estimate's margin"
+            else:
+                m.boost[rid] = plan[i]
+        return "the safe bound" if plan == "safe" else f"{max(plan):g}x the estimate's margin"
 
     def _free_request(self, request, *args, **kwargs):
         for m in self.concept_managers:
