@@ -5,8 +5,8 @@ the engine is alive and a greedy request gives ``model.generate``'s tokens.
 Each batch sends ``PER_BATCH`` requests at once: random and repeated token ids (random ids make
 about one concept a token, far past the estimate; a repeated id makes almost none), ``echo`` with
 prompt log-probabilities, ``n`` > 1, seeded sampling, stop strings and token ids, streams, and
-streams the client drops after its first event. Every answer must be 200, or a 4xx with OpenAI's
-error JSON (a prompt too long for the model); never a 5xx, never a dead engine.
+streams the client drops after its first event, every kind in every batch. Every answer must be
+200, or a 4xx with OpenAI's error JSON; never a 5xx, never a dead engine.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ LENGTHS = (1, 2, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 190)
 PER_BATCH, BATCHES = 12, 3
 
 
-def _body(rng: random.Random, max_len: int) -> dict:
+KINDS = ("echo", "n", "seed", "stop", "stream", "drop", "logprobs", "plain", "long")
+
+
+def _body(rng: random.Random, max_len: int, kind: str) -> dict:
     n = rng.choice([n for n in LENGTHS if n + 16 <= max_len])
     ids = [rng.randrange(3, 250) for _ in range(n)] if rng.random() < 0.7 else [rng.randrange(3, 250)] * n
     body = {"prompt": ids, "max_tokens": rng.choice((1, 4, 16)), "temperature": 0}
-    kind = rng.choice(("echo", "n", "seed", "stop", "stream", "drop", "logprobs", "plain", "long"))
     if kind == "echo":
         body.update(echo=True, logprobs=1, max_tokens=1)
     elif kind == "n":
@@ -37,7 +39,7 @@ def _body(rng: random.Random, max_len: int) -> dict:
         body.update(stream=True)
     elif kind == "logprobs":
         body.update(logprobs=2, temperature=1.0, seed=3)
-    elif kind == "long":  # past --max-model-len with its output: refused with a 400
+    elif kind == "long":  # its output reaches past --max-model-len: vLLM refuses it or cuts the output short
         body.update(prompt=[7] * (max_len - 2), max_tokens=16)
     body["_kind"] = kind
     return body
@@ -64,7 +66,8 @@ def fuzz(url: str, greedy: tuple[list[int], list[int]], max_len: int, seed: int 
     seen: dict[str, int] = {}
     after = []
     for _ in range(BATCHES):
-        bodies = [_body(rng, max_len) for _ in range(PER_BATCH)]
+        start = rng.randrange(len(KINDS))  # every kind in every batch, in a seeded mix
+        bodies = [_body(rng, max_len, KINDS[(start + i) % len(KINDS)]) for i in range(PER_BATCH)]
         with cf.ThreadPoolExecutor(PER_BATCH) as pool:
             for kind, status, text in pool.map(lambda b: _send(url, b), bodies):
                 seen[f"{kind}:{status}"] = seen.get(f"{kind}:{status}", 0) + 1

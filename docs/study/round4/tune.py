@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import lanes  # noqa: E402
 ROOT = Path("runs/study4/tune")
 SEEDS = (0, 1, 2)
 COMMON = ["--data", "shakespeare-tune", "--dtype", "fp32", "--tokens", "1600000"]
@@ -55,8 +53,7 @@ PHASE1 = {
 
 
 def bpb(label: str, seed: int) -> float | None:
-    f = ROOT / label / f"seed{seed}" / "eval.json"
-    return json.loads(f.read_text())["val_bpb"] if f.exists() else None
+    return lanes.bpb(ROOT / label / f"seed{seed}")
 
 
 def mean_bpb(label: str) -> float | None:
@@ -106,60 +103,14 @@ def grid() -> tuple[dict[str, list[str]], bool]:
     return points, done and all(mean_bpb(k) is not None for k in points)
 
 
-def pending(points: dict[str, list[str]]) -> list[tuple[str, int]]:
-    """Unfinished (label, seed), MoE and ConceptMoE interleaved, seeds before points."""
-    todo = [(k, s) for s in SEEDS for k in points if bpb(k, s) is None]
-    moe = [t for t in todo if t[0].startswith("moe")]
-    cm = [t for t in todo if not t[0].startswith("moe")]
-    out = []
-    for i in range(max(len(moe), len(cm))):
-        out += ([cm[i]] if i < len(cm) else []) + ([moe[i]] if i < len(moe) else [])
-    return out
-
-
-def command(label: str, seed: int, flags: list[str]) -> list[str]:
-    out = ROOT / label / f"seed{seed}"
-    if (out / "checkpoints").is_dir():
-        return ["conceptmoe", "train", "--resume", "--out", str(out)]
-    return ["conceptmoe", "train", *flags, *COMMON, "--seed", str(seed), "--out", str(out), "--force"]
-
-
-def run(jobs: int) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    running: dict[tuple[str, int], subprocess.Popen] = {}
-    while True:
-        points, done = grid()
-        for key, proc in list(running.items()):
-            if proc.poll() is not None:
-                del running[key]
-                print(f"{time.strftime('%H:%M:%S')} {key[0]} seed {key[1]}: exit {proc.returncode}", flush=True)
-                if proc.returncode != 0:
-                    sys.exit(f"{key[0]} seed {key[1]} failed: see {ROOT / key[0] / f'seed{key[1]}.log'}")
-                report()
-        todo = [t for t in pending(points) if t not in running]
-        if done and not running:
-            print("grid complete", flush=True)
-            return
-        while todo and len(running) < jobs:
-            label, seed = todo.pop(0)
-            (ROOT / label).mkdir(parents=True, exist_ok=True)
-            log = open(ROOT / label / f"seed{seed}.log", "a")
-            running[(label, seed)] = subprocess.Popen(command(label, seed, points[label]), stdout=log,
-                                                      stderr=subprocess.STDOUT, env=env)
-            print(f"{time.strftime('%H:%M:%S')} started {label} seed {seed}", flush=True)
-        if not running:  # the next phase waits on nothing that runs: the grid is stuck
-            sys.exit("nothing to run and the grid is not complete")
-        time.sleep(10)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def plan() -> tuple[dict[Path, list[str]], bool]:
+    """Every run of the grid known so far (run directory -> train flags), MoE and ConceptMoE
+    interleaved, seeds before points; whether the grid is complete."""
+    points, done = grid()
+    moe = [(k, s) for s in SEEDS for k in points if k.startswith("moe")]
+    cm = [(k, s) for s in SEEDS for k in points if not k.startswith("moe")]
+    order = [t for i in range(max(len(moe), len(cm))) for t in (cm[i:i + 1] + moe[i:i + 1])]
+    return {ROOT / k / f"seed{s}": points[k] + COMMON + ["--seed", str(s)] for k, s in order}, done
 
 
 def report() -> dict:
@@ -172,9 +123,9 @@ def report() -> dict:
                      "tuning_bpb": {str(s): v for s, v in vals.items()},
                      "mean": statistics.mean(got) if got else None,
                      "sd": statistics.stdev(got) if len(got) > 1 else None, "seeds_done": len(got)})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = lanes.commit()
     rec = {"what": "issue 67 tuning grid on the tuning split (shakespeare-tune), README default budget",
-           "common_flags": COMMON, "seeds": list(SEEDS), "complete": done, "machine": _cpu(), "commit": commit,
+           "common_flags": COMMON, "seeds": list(SEEDS), "complete": done, "machine": lanes.cpu(), "commit": commit,
            "points": rows}
     (HERE / "tuning.json").write_text(json.dumps(rec, indent=2) + "\n")
     lines = ["# Round 4 tuning grid (tuning split, 1.6M tokens, fp32, 3 seeds)", "",
@@ -199,7 +150,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
     if a.what == "run":
-        run(a.jobs)
+        lanes.run_lanes(a.jobs, plan, report)
     else:
         print((HERE / "tuning.md").read_text() if report() else "")
 
