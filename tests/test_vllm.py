@@ -107,6 +107,8 @@ def test_a_flagged_step_leaves_no_trace(cm, cm_estimated, moe):
     for figures in (cm, cm_estimated, moe):
         assert figures["echo"] == pytest.approx(figures["want_echo"], abs=2e-4)
     assert cm_estimated["seeded"] == cm["seeded"]
+    assert cm_estimated["seeded_flag_recomputed"] >= 1 and cm["seeded_flag_recomputed"] == 0
+    assert cm_estimated["seeded_flag"] == cm["seeded_flag"]
     assert cm_estimated["again"] == cm_estimated["want"][:3]  # alive, and exact, after it
 
 

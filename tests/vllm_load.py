@@ -7,6 +7,7 @@ compared with what ``model.generate`` gives each prompt alone.
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import torch
@@ -63,6 +64,26 @@ def prompt_logprobs(url: str, prompt: list[int]) -> list[float]:
     return r.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(prompt)]
 
 
+def concept_heavy_prompt(run, n: int = 64, at_least: int = 36) -> list[int]:
+    """A prompt of ``n`` tokens that makes at least ``at_least`` concepts (``model.forward``'s
+    boundaries): prefilled in one step against a one-block grant of 32 slots (the estimate forced
+    short), it is flagged at its last chunk, where its first token is sampled."""
+    model, *_ = load_run(run, "cpu")
+    model.eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _ in range(200):
+            p = torch.randint(3, 250, (1, n), generator=g)
+            b = model(p).boundaries
+            if b is None or int(b.sum()) >= at_least:  # a MoE: any prompt
+                return p[0].tolist()
+    raise AssertionError(f"no {n}-token prompt of 200 made {at_least} concepts")
+
+
+def _recomputed(log) -> int:
+    return len(re.findall(r"made more concepts than its estimate", log.read_text()))
+
+
 def reference_logprobs(run, prompt: list[int]) -> list[float]:
     model, *_ = load_run(run, "cpu")
     model.eval()
@@ -99,6 +120,12 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
         # alone and beside other requests (which moves the chunk boundaries).
         seeded = [complete(url, [prompts()[i]] * 2 + prompts()[:n], NEW, temperature=1.0, seed=7)[:2]
                   for i in (1, 8) for n in (0, 3)]
+        # Seeded, alone, a prompt flagged at its last chunk when the estimate is forced short: the
+        # dropped sample's draw must not move the generator (issue 68).
+        heavy, before = concept_heavy_prompt(run), _recomputed(runs / f"{label}.log")
+        seeded_flag = complete(url, [heavy], NEW, temperature=1.0, seed=9)[0]
+        time.sleep(0.5)  # the server's log line of the recompute
+        seeded_flag_recomputed = _recomputed(runs / f"{label}.log") - before
         # Batch invariance: 12 copies of the 57-token prompt in one request (one engine step), each
         # prefilled in chunks beside the others, some preempted by the budget.
         copies = complete_together(url, [prompts()[8]] * 12, NEW)
@@ -112,6 +139,7 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
             hostile = fuzz(url, (prompts()[0], want[0]), 224 if serves_long else 128)
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
                    "echo": echo, "want_echo": reference_logprobs(run, prompts()[8]),
+                   "seeded_flag": seeded_flag, "seeded_flag_recomputed": seeded_flag_recomputed,
                    "want_grow": want_grow, "seeded": seeded, "copies": copies,
                    "preemptions": metric(url, "vllm:num_preemptions_total")}
     if serves_long:
@@ -119,6 +147,6 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
     if fuzzed:
         figures["fuzz"] = hostile
     log = (runs / f"{label}.log").read_text()
-    figures["recomputed"] = len(re.findall(r"made more concepts than its estimate", log))
+    figures["recomputed"] = _recomputed(runs / f"{label}.log")
     figures["kv_tokens"] = int(re.search(r"KV cache size: ([0-9,]+) tokens", log).group(1).replace(",", ""))
     return figures
