@@ -122,6 +122,13 @@ def test_hostile_traffic_never_stops_the_engine(cm, cm_estimated):
     assert cm_estimated["recomputed"] > 0
 
 
+def test_vllm_tokenize(cm, moe):
+    """Issue 68: the served model tokenizes text as its run (vLLM's /tokenize on held-out text;
+    the MoE export once took Qwen2's pre-tokenizer and NFC)."""
+    for figures in (cm, moe):
+        assert figures["tokenized"] == figures["want_tokenized"]
+
+
 def test_concept_ratio_is_refused_where_it_cannot_be_served(cm, moe):
     assert moe["refused"][0] == 400 and "ConceptMoE runs only" in moe["refused"][1]
     assert cm["refused"][0] == 400 and "trained for R=2 only" in cm["refused"][1]

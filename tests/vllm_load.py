@@ -15,6 +15,8 @@ import torch
 from vllm_helpers import complete, complete_together, metric, vllm_server
 
 from conceptmoe import load_run
+from conceptmoe.data.corpus import load_corpus
+from conceptmoe.data.tokenizer import load_tokenizer
 
 SHAPE = dict(d_model=64, n_heads=2, n_kv_heads=2, expert_hidden=32)
 LENGTHS = (1, 3, 7, 12, 20, 33, 40, 5, 57, 17)
@@ -27,6 +29,9 @@ VLLM_ARGS = "--block-size 32 --max-num-batched-tokens 16 --max-model-len 128 --s
 # model.generate gives it.
 LONG_ARGS = VLLM_ARGS.replace("--max-model-len 128", "--max-model-len 224")
 LONG = 192
+
+
+HELD_OUT_TEXT = load_corpus().val[1].text[:4000]  # line breaks, blank lines, speakers' names: issue 68's text
 
 
 def prompts() -> list[list[int]]:
@@ -113,6 +118,8 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
                      "--vllm-args", vllm_args, *cli, env=env) as url:
         got = complete(url, prompts(), NEW)
         echo = prompt_logprobs(url, prompts()[8])  # prefilled whole: flagged at its last chunk when estimated
+        tokenized = httpx.post(url.removesuffix("/v1") + "/tokenize", timeout=60, json={
+            "prompt": HELD_OUT_TEXT, "add_special_tokens": False}).json()["tokens"]
         grown = grow(url)
         again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
         # Seeded, a short prompt and one of 57 tokens, prefilled in 16-token chunks whose draws are
@@ -139,6 +146,7 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
             hostile = fuzz(url, (prompts()[0], want[0]), 224 if serves_long else 128)
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
                    "echo": echo, "want_echo": reference_logprobs(run, prompts()[8]),
+                   "tokenized": tokenized, "want_tokenized": load_tokenizer(run / "tokenizer.json").encode(HELD_OUT_TEXT).ids,
                    "seeded_flag": seeded_flag, "seeded_flag_recomputed": seeded_flag_recomputed,
                    "want_grow": want_grow, "seeded": seeded, "copies": copies,
                    "preemptions": metric(url, "vllm:num_preemptions_total")}
