@@ -138,7 +138,8 @@ def test_force_replaces_an_export_and_never_merges(tmp_path):
     assert main(["export-hf", str(moe), "--out", str(out), "--arch", "qwen2_moe"]) == 2  # needs --force
     assert {p.name for p in out.iterdir()} == concept_files
     assert main(["export-hf", str(moe), "--out", str(out), "--arch", "qwen2_moe", "--force"]) == 0
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "README.md"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json", "README.md",
+                                               "tokenizer_config.json"}
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_moe"
     assert _hidden(tmp_path) == []
     for p in out.iterdir():  # weights as every other file (safetensors alone would give 0600)

@@ -108,7 +108,8 @@ def grow(url: str) -> list[list[int]]:
 def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_args: str = VLLM_ARGS,
                     env: dict | None = None, fuzzed: bool = False) -> dict:
     """Serve run ``name`` with the binding budget, 10 concurrent greedy prompts; returns the figures.
-    ``fuzzed``: then hostile traffic (``vllm_fuzz.py``), the server exact after each batch."""
+    ``fuzzed``: then hostile traffic (``vllm_fuzz.py``), the server exact after each batch, and a
+    seeded request over ``concept_heavy_prompt``."""
     run = runs / name
     label = label or name
     serves_long = "--max-model-len 224" in vllm_args
@@ -129,10 +130,12 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
                   for i in (1, 8) for n in (0, 3)]
         # Seeded, alone, a prompt flagged at its last chunk when the estimate is forced short: the
         # dropped sample's draw must not move the generator (issue 68).
-        heavy, before = concept_heavy_prompt(run), _recomputed(runs / f"{label}.log")
-        seeded_flag = complete(url, [heavy], NEW, temperature=1.0, seed=9)[0]
-        time.sleep(0.5)  # the server's log line of the recompute
-        seeded_flag_recomputed = _recomputed(runs / f"{label}.log") - before
+        seeded_flag = seeded_flag_recomputed = None
+        if fuzzed:
+            heavy, before = concept_heavy_prompt(run), _recomputed(runs / f"{label}.log")
+            seeded_flag = complete(url, [heavy], NEW, temperature=1.0, seed=9)[0]
+            time.sleep(0.5)  # the server's log line of the recompute
+            seeded_flag_recomputed = _recomputed(runs / f"{label}.log") - before
         # Batch invariance: 12 copies of the 57-token prompt in one request (one engine step), each
         # prefilled in chunks beside the others, some preempted by the budget.
         copies = complete_together(url, [prompts()[8]] * 12, NEW)

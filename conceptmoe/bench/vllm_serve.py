@@ -267,8 +267,8 @@ def format_table(report: dict) -> str:
                      f"| {r['peak_concurrent']} / {r.get('mean_concurrent', 0):.1f} "
                      f"| {r['preemptions']:.0f} | {r['kv_cache_tokens'] or '-'} | {_hits(r)} |")
     st = report["settings"]
-    load = {"shared-prefix": f"; {st['prefixes']} shared prefixes of {st['prefix_len']} tokens",
-            "chat": f"; chat, {st['turns']} turns a conversation"}.get(st.get("workload", "random"), "")
+    load = {"shared-prefix": f"; {st.get('prefixes')} shared prefixes of {st.get('prefix_len')} tokens",
+            "chat": f"; chat, {st.get('turns')} turns a conversation"}.get(st.get("workload", "random"), "")
     m = report["machine"]
     lines.append(f"\n{m['cpu_model']} ({m['cpu_count']} cores; {', '.join(m['cpu_flags'])}; bf16: {m['cpu_bf16']}); "
                  f"KV budget {report['settings']['kv_cache_mb']:g} MiB, {report['settings']['dtype']}{load}")

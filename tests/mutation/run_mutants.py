@@ -169,7 +169,7 @@ MUTANTS = [
     Mutant("resume-total-unchecked", "conceptmoe/training/train.py", "    if want == end or (want > step >= end):",
            "    if True:", ("tests/test_resume_schedule.py",), "a resume may change the schedule's total"),
     Mutant("resume-lr-unchecked", "conceptmoe/training/train.py",
-           "        if k in old and old[k] != getattr(tc, k):", "        if False:",
+           "        if (k in old or k == \"stage_lr_mults\") and old.get(k) != getattr(tc, k):", "        if False:",
            ("tests/test_resume_schedule.py",), "a resume may change the lr schedule"),
     Mutant("match-ignores-expert-multiple", "conceptmoe/model/match.py",
            "    for over in _candidates(base, strategy, multiple):", "    for over in _candidates(base, strategy, 1):",
