@@ -20,7 +20,6 @@ beside it. ``run`` refuses to start before the grid is complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -84,15 +83,7 @@ def report() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("run", "report"))
-    ap.add_argument("--jobs", type=int, default=2)
-    a = ap.parse_args()
-    if a.what == "run":
-        lanes.run_lanes(a.jobs, plan, report)
-    else:
-        report()
-        print((HERE / "confirm.md").read_text())
+    lanes.main(__doc__, plan, report, HERE / "confirm.md")
 
 
 if __name__ == "__main__":

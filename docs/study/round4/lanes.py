@@ -8,6 +8,7 @@ phase can depend on an earlier one's results. It stops when the plan is complete
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -67,3 +68,17 @@ def cpu() -> str:
 
 def commit() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def main(doc: str, plan, report, record: Path) -> None:
+    """``SCRIPT run [--jobs N]``: train the plan's runs in lanes, ``report`` after each; ``SCRIPT
+    report``: write the record and print its Markdown, ``record``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("what", choices=("run", "report"))
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    if a.what == "run":
+        run_lanes(a.jobs, plan, report)
+    else:
+        report()
+        print(record.read_text())

@@ -25,7 +25,6 @@ Rerunning ``run`` skips finished runs and resumes interrupted ones (``train --re
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -145,14 +144,7 @@ def report() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("run", "report"))
-    ap.add_argument("--jobs", type=int, default=2)
-    a = ap.parse_args()
-    if a.what == "run":
-        lanes.run_lanes(a.jobs, plan, report)
-    else:
-        print((HERE / "tuning.md").read_text() if report() else "")
+    lanes.main(__doc__, plan, report, HERE / "tuning.md")
 
 
 if __name__ == "__main__":
