@@ -19,7 +19,8 @@ its previous phase has finished, and picks from it by the mean tuning BPB over t
 | 3     | the best warm-up at the lr halfway to the better | the best rates + stage_norms + stage_skip           |
 |       | neighbour of the best lr                         |                                                     |
 
-Rerunning ``run`` skips finished runs and resumes interrupted ones (``train --resume``).
+Rerunning ``run`` skips finished runs (their eval.json, or the committed tuning.json where runs/
+is gone) and resumes interrupted ones (``train --resume``).
 ``report`` writes docs/study/round4/tuning.json and tuning.md from the runs' eval.json files.
 """
 
@@ -52,7 +53,17 @@ PHASE1 = {
 
 
 def bpb(label: str, seed: int) -> float | None:
-    return lanes.bpb(ROOT / label / f"seed{seed}")
+    """A run's tuning BPB: its eval.json, else the committed record (runs/ may not survive the machine)."""
+    got = lanes.bpb(ROOT / label / f"seed{seed}")
+    return got if got is not None else _recorded().get((label, seed))
+
+
+def _recorded() -> dict[tuple[str, int], float]:
+    f = HERE / "tuning.json"
+    if not f.exists():
+        return {}
+    return {(p["label"], int(s)): v for p in json.loads(f.read_text())["points"]
+            for s, v in p["tuning_bpb"].items() if v is not None}
 
 
 def mean_bpb(label: str) -> float | None:
@@ -109,7 +120,7 @@ def plan() -> tuple[dict[Path, list[str]], bool]:
     moe = [(k, s) for s in SEEDS for k in points if k.startswith("moe")]
     cm = [(k, s) for s in SEEDS for k in points if not k.startswith("moe")]
     order = [t for i in range(max(len(moe), len(cm))) for t in (cm[i:i + 1] + moe[i:i + 1])]
-    return {ROOT / k / f"seed{s}": points[k] + COMMON + ["--seed", str(s)] for k, s in order}, done
+    return {ROOT / k / f"seed{s}": points[k] + COMMON + ["--seed", str(s)] for k, s in order if bpb(k, s) is None}, done
 
 
 def report() -> dict:
