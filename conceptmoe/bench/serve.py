@@ -30,6 +30,7 @@ import httpx
 
 from ..device import machine
 from ..errors import UserError
+from .workloads import WORKLOADS
 
 
 @dataclass
@@ -70,8 +71,6 @@ class ServeBenchSettings:
             raise UserError(f"--concurrency must be >= 1 (got {self.concurrency})")
         if len(set(self.concept_ratios)) != len(self.concept_ratios):
             raise UserError("--concept-ratios lists a ratio twice")
-        from .workloads import WORKLOADS
-
         if self.workload not in WORKLOADS:
             raise UserError(f"--workload must be one of {', '.join(WORKLOADS)} (got {self.workload!r})")
         if self.prefix_caching not in ("on", "off"):

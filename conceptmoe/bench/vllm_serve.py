@@ -216,8 +216,7 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
 
     s.check()
     reqs = load_requests(held_out, s)
-    convs = [r["turns"] for r in reqs] if s.workload == "chat" else None
-    max_len = longest(reqs, convs, s.output_len)  # vLLM refuses more than the model's positions
+    max_len = longest(reqs, s.output_len)  # vLLM refuses more than the model's positions
     servers = []
     with tempfile.TemporaryDirectory() as tmp:
         try:

@@ -53,8 +53,9 @@ def chat_turns(ids: list[int], requests: int, turns: int, prompt_len: int, seed:
     return [[_cut(ids, prompt_len, rng) for _ in range(turns)] for _ in range(requests // turns)]
 
 
-def longest(reqs: list[dict] | None, conversations: list[list[list[int]]] | None, output_len: int) -> int:
-    """The longest sequence the load makes (a server's --max-model-len must hold it)."""
-    if conversations:
-        return max(sum(len(t) for t in c) + len(c) * output_len for c in conversations)
+def longest(reqs: list[dict], output_len: int) -> int:
+    """The longest sequence the load makes (a server's --max-model-len must hold it); a chat's
+    requests are its conversations (``turns``), each turn answered with ``output_len`` tokens."""
+    if "turns" in reqs[0]:
+        return max(sum(len(t) for t in r["turns"]) + len(r["turns"]) * output_len for r in reqs)
     return max(len(r["prompt"]) + r["max_tokens"] for r in reqs)

@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+from ..bench.workloads import WORKLOADS
 from ..errors import UserError
 from ..files import write_json, write_text
 
@@ -72,7 +73,7 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
                         "pair's analytic limits; writes long.json, long.md and long.png")
     p.add_argument("--unbound-kv-cache-mb", type=float, default=None, metavar="MB",
                    help="with --prompt-lens: a second budget, one that holds every load (default: none)")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "chat"), default="random",
+    p.add_argument("--workload", choices=WORKLOADS, default="random",
                    help="--engine vllm: independent prompts (default); shared-prefix: --prefixes system prompts "
                         "of --prefix-len tokens, each before its own questions of --prompt-len; chat: "
                         "conversations of --turns turns, each resending the conversation so far")

@@ -224,11 +224,12 @@ def export_hf(run: str | Path, out: str | Path, arch: str | None = None, force: 
 
     hf = hf_config_from_model(cfg, arch or default_arch(cfg))  # refuses ConceptMoE and mismatches
     model, cfg, tok, run_cfg = load_run(run, "cpu")
-    hf.update(token_ids(run_cfg, tok), max_position_embeddings=positions(run_cfg, max_model_len))  # the source's, or ours
+    ids = token_ids(run_cfg, tok)
+    hf.update(ids, max_position_embeddings=positions(run_cfg, max_model_len))  # the source's, or ours
     tensors = to_hf({k: v.float() for k, v in model.state_dict().items()}, cfg, hf["model_type"])
     with held(out), building(out, "export-hf", force, replaceable(out)) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        hf_tokenizer(run, tok, token_ids(run_cfg, tok)).save_pretrained(tmp)  # tokenizer_config.json: as the run
+        hf_tokenizer(run, tok, ids).save_pretrained(tmp)  # tokenizer_config.json: as the run
         _copy(run / "tokenizer.json", tmp / "tokenizer.json")  # the run's file itself, not a re-serialisation
         write_json(tmp / "config.json", hf)
         (tmp / "README.md").write_text(model_card(run, run_cfg, cfg), encoding="utf-8")

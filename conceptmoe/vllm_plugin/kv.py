@@ -202,9 +202,12 @@ class ConceptAttentionManager(FullAttentionManager):
         bound = concept_slots(num_tokens, reported)
         if not self.estimates or request_id in self.safe:
             return bound, bound
-        rate = self.rates.get(request_id, 1.0 / self.kv_cache_spec.compression)
         margin = self.margin * self.boost.get(request_id, 1.0)
-        return estimated_slots(num_tokens, reported, rate, margin, self.pad), bound
+        return estimated_slots(num_tokens, reported, self.rate(request_id), margin, self.pad), bound
+
+    def rate(self, request_id: str) -> float:
+        """The request's expected concepts a token: 1/R (its own R, else the run's)."""
+        return self.rates.get(request_id, 1.0 / self.kv_cache_spec.compression)
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
         return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens)[0], *args,

@@ -126,8 +126,7 @@ class ConceptScheduler(Scheduler):
         rid = request.request_id
         token = [m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers
                  if not isinstance(m, ConceptAttentionManager)]
-        concept = [(m.block_size, m.rates.get(rid, 1.0 / m.kv_cache_spec.compression), m.margin, m.pad,
-                    m.boost.get(rid, 1.0)) for m in self.concept_managers]
+        concept = [(m.block_size, m.rate(rid), m.margin, m.pad, m.boost.get(rid, 1.0)) for m in self.concept_managers]
         plan = recompute_plan(request.num_tokens + 1, self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
                               token, concept)
         if plan is None:
