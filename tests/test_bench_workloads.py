@@ -120,10 +120,7 @@ def test_bad_workloads_are_one_line_errors():
         shared_prefix_requests(HELD_OUT[:50], 6, 3, 100, 20, 8, seed=0)
 
 
-def test_the_conceptmoe_server_is_not_given_prefix_caching_yet():
-    from conceptmoe import ModelConfig
-
-    s = _settings(prefix_caching="on")
-    assert vllm_serve.caching_args(s, ModelConfig.from_preset("tiny", kind="moe")) == " --enable-prefix-caching"
-    assert vllm_serve.caching_args(s, ModelConfig.from_preset("tiny")) == ""
-    assert vllm_serve.caching_args(_settings(), ModelConfig.from_preset("tiny", kind="moe")) == ""
+def test_prefix_caching_is_vllms_default_for_both_models_and_off_for_both():
+    assert _settings().prefix_caching == "on"
+    assert vllm_serve.caching_args(_settings(prefix_caching="on")) == ""
+    assert vllm_serve.caching_args(_settings(prefix_caching="off")) == " --no-enable-prefix-caching"

@@ -23,8 +23,9 @@ from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from conceptmoe.vllm_plugin import feedback  # noqa: E402
 from conceptmoe.vllm_plugin.feedback import (BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackError,  # noqa: E402
                                              FeedbackTable)
-from conceptmoe.vllm_plugin.kv import (ConceptAttentionManager, ConceptAttentionSpec, ConceptCache,  # noqa: E402
-                                       concept_slots, estimated_slots)
+from conceptmoe.vllm_plugin.cache import ConceptCache  # noqa: E402
+from conceptmoe.vllm_plugin.kv import (ConceptAttentionManager, ConceptAttentionSpec, concept_slots,  # noqa: E402
+                                       estimated_slots)
 
 BLOCK = 32
 
@@ -166,18 +167,21 @@ def test_a_table_that_cannot_be_opened_is_an_error(tmp_path, monkeypatch):
 
 def test_the_model_writes_no_concept_past_its_grant():
     """admit: every request's concepts against each group's grant (epoch, capacity, mode)."""
-    cache = ConceptCache(None, [])
+    cache, none = ConceptCache(None, []), np.zeros(4, dtype=bool)
     firsts, counts = [10, 60, 0, 5], [3, 10, 2, 0]
     grants = [np.array([[1, 32, ESTIMATED | HANDLED], [2, 64, ESTIMATED | HANDLED], [3, 32, HANDLED],
                         [4, 0, HANDLED]])]
-    assert cache.admit(grants, firsts, counts).tolist() == [0, OVERFLOW, 0, 0]  # 70 > 64, estimated
+    assert cache.admit(grants, firsts, counts, none).tolist() == [0, OVERFLOW, 0, 0]  # 70 > 64, estimated
     grants[0][1, 2] = HANDLED  # the same, under a bound grant: a bug, the request is ended
-    assert cache.admit(grants, firsts, counts).tolist() == [0, BROKEN, 0, 0]
+    assert cache.admit(grants, firsts, counts, none).tolist() == [0, BROKEN, 0, 0]
     grants[0][2, 0] = 0  # no grant for a request with concepts: nothing to write into
-    assert cache.admit(grants, firsts, counts).tolist() == [0, BROKEN, BROKEN, 0]
+    assert cache.admit(grants, firsts, counts, none).tolist() == [0, BROKEN, BROKEN, 0]
     grants[0][:, 2] &= ~HANDLED  # no scheduler acts on flags: vLLM stops rather than serve it
     with pytest.raises(RuntimeError, match="refusing to write outside its blocks"):
-        cache.admit(grants, firsts, counts)
+        cache.admit(grants, firsts, counts, none)
+    missing = np.array([False, False, False, True])  # a prefix hit whose snapshot is not there: ended
+    grants[0][:, 2] |= HANDLED
+    assert cache.admit(grants, firsts, counts, missing).tolist() == [0, BROKEN, BROKEN, BROKEN]
 
 
 def test_a_flagged_requests_concepts_are_dropped():

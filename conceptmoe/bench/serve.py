@@ -50,13 +50,13 @@ class ServeBenchSettings:
     concept_ratios: list[float] = field(default_factory=list)  # for elastic runs: one measurement per R
     seed: int = 0
     temperature: float = 0.0
-    # --engine vllm only (bench/workloads.py): the load's shape, and prefix caching where the run's
-    # server has it ("on": every server that supports it; the row says whether it had it)
+    # --engine vllm only (bench/workloads.py): the load's shape, and vLLM's prefix caching for both
+    # models' servers ("on": vLLM's default)
     workload: str = "random"
     prefixes: int = 6
     prefix_len: int = 1200
     turns: int = 4
-    prefix_caching: str = "off"
+    prefix_caching: str = "on"
 
     def check(self) -> None:
         if not self.runs:

@@ -185,10 +185,10 @@ def load_requests(held_out: list[int], s: ServeBenchSettings) -> list[dict]:
     return make_requests(held_out, s)
 
 
-def caching_args(s: ServeBenchSettings, cfg) -> str:
-    """vLLM's flag for prefix caching where ``--prefix-caching on`` and the run's server has it: a
-    MoE export; the ConceptMoE plugin refuses it (``refuse.py``) until concept blocks are cached."""
-    return " --enable-prefix-caching" if s.prefix_caching == "on" and not cfg.is_concept else ""
+def caching_args(s: ServeBenchSettings) -> str:
+    """vLLM's flag for prefix caching, for both models' servers: none where ``--prefix-caching on``
+    (vLLM's default, and ``conceptmoe serve --engine vllm``'s: the concept side's is ``prefix.py``)."""
+    return "" if s.prefix_caching == "on" else " --no-enable-prefix-caching"
 
 
 def _mean_running(samples: list[int]) -> float:
@@ -225,7 +225,7 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
                 for label, R in points(run, cfg, s):  # a server each, as bench/serve.py
                     print(f"bench serve (vLLM): starting {label} ...", file=sys.stderr, flush=True)
                     log = Path(tmp) / f"server-{len(servers)}.log"
-                    proc, url = start(run, s, max_len, vllm_args + caching_args(s, cfg), log)
+                    proc, url = start(run, s, max_len, vllm_args + caching_args(s), log)
                     servers.append((run, cfg, label, R, proc, url, log))
             measured: list[list[dict]] = [[] for _ in servers]
             for i in range(repeats):
@@ -243,7 +243,7 @@ def run_vllm_serve_bench(s: ServeBenchSettings, held_out: list[int], vllm_args: 
             row = median_repeat(got)
             m = re.search(r"KV cache size: ([0-9,]+) tokens", log.read_text())
             row.update(run=run, kind=cfg.kind, kv_cache_tokens=int(m.group(1).replace(",", "")) if m else None,
-                       prefix_caching=bool(caching_args(s, cfg)))
+                       prefix_caching=s.prefix_caching == "on")
             rows.append(row)
     return {"settings": {**s.__dict__, "engine": "vllm", "vllm_args": vllm_args, "repeats": repeats,
                          "interleaved": True}, "machine": machine(), "rows": rows}

@@ -80,9 +80,9 @@ def register_bench(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--prefixes", type=int, default=6, help="shared-prefix: system prompts (default 6)")
     p.add_argument("--prefix-len", type=int, default=1200, help="shared-prefix: tokens a system prompt (default 1200)")
     p.add_argument("--turns", type=int, default=4, help="chat: turns a conversation (default 4)")
-    p.add_argument("--prefix-caching", choices=("on", "off"), default="off",
-                   help="--engine vllm: vLLM's prefix caching on every server that has it (the MoE's; a "
-                        "ConceptMoE's server has not yet: its row says off) (default off)")
+    p.add_argument("--prefix-caching", choices=("on", "off"), default=None,
+                   help="--engine vllm: vLLM's prefix caching on both models' servers (default on, as vLLM "
+                        "and conceptmoe serve --engine vllm serve)")
     p.add_argument("--out", default="bench_out/serve", help="directory for serve.json and serve.md")
     p.set_defaults(func=cmd_bench_serve)
 
@@ -100,7 +100,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                            dtype=args.dtype, device=args.device, threads=args.threads,
                            concept_ratios=args.concept_ratios, seed=args.seed, temperature=args.temperature,
                            workload=args.workload, prefixes=args.prefixes, prefix_len=args.prefix_len,
-                           turns=args.turns, prefix_caching=args.prefix_caching)
+                           turns=args.turns, prefix_caching=args.prefix_caching or "on")
     from .held_out import run_held_out_ids
 
     s.check()
@@ -112,8 +112,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise UserError("--prompt-lens and --unbound-kv-cache-mb apply to --engine vllm")
     if args.unbound_kv_cache_mb is not None and not args.prompt_lens:
         raise UserError("--unbound-kv-cache-mb applies with --prompt-lens")
-    if (args.workload != "random" or args.prefix_caching == "on") and (args.engine != "vllm" or args.prompt_lens):
-        raise UserError("--workload and --prefix-caching apply to --engine vllm without --prompt-lens")
+    if args.prefix_caching is not None and args.engine != "vllm":
+        raise UserError("--prefix-caching applies to --engine vllm")
+    if args.workload != "random" and (args.engine != "vllm" or args.prompt_lens):
+        raise UserError("--workload applies to --engine vllm without --prompt-lens")
     if args.prompt_lens:
         return _long(args, s, out)
     if args.engine == "vllm":

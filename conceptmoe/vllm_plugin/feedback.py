@@ -46,8 +46,9 @@ KEY_ENV = "CONCEPTMOE_VLLM_FEEDBACK_KEY"  # the launch's random key, inherited b
 ESTIMATED, HANDLED = 1, 2  # grant mode bits
 OVERFLOW, BROKEN = 1, 2  # report flags
 
-# columns: the grant (sequence, epoch, capacity, mode), the report (sequence, epoch, T, C, flag)
-_G, _R, _WIDTH = 0, 4, 9
+# columns: the grant (sequence, epoch, capacity, mode), the report (sequence, epoch, T, C, flag), and,
+# keyed by a token block, the snapshot at its end (sequence, epoch, T, C: ``prefix.py``)
+_G, _R, _S, _WIDTH = 0, 4, 9, 13
 
 
 class FeedbackError(RuntimeError):
@@ -155,6 +156,15 @@ class FeedbackTable:
         if seq % 2 or int(t[key, _R]) != seq or epoch <= 0 or got != epoch:
             return None
         return tokens, concepts, flag
+
+    # -- snapshots: model -> scheduler, keyed by the token block a prefix ends with ---------------
+
+    def snapshot_many(self, keys: np.ndarray, epochs, tokens, concepts) -> None:
+        self._store(keys, _S, [epochs, tokens, concepts])
+
+    def snapshots(self, keys) -> tuple[np.ndarray, np.ndarray]:
+        """((K, 3): the writer's epoch, T, C per key; (K,) whether each read is whole)."""
+        return self._load(keys, _S, 3)
 
     def clear(self, key: int) -> None:
         self._store(key, _G, [0, 0, 0])

@@ -19,14 +19,17 @@ concepts made; ``feedback.py``) and the request's R. Two rules:
   the safe bound: exact either way.
 
 The model checks every concept it writes against the capacity its request was granted
-(``ConceptCache``): nothing is written outside a request's blocks, whatever a report says.
+(``cache.ConceptCache``): nothing is written outside a request's blocks, whatever a report says.
+
+With prefix caching (``prefix.py``) a request's concept row starts with a **lead block** of its
+own: its state row and feedback key (the blocks after it may be shared with other requests), its
+concepts in the blocks after it. Without, the first concept block is both.
 ``max_memory_usage_bytes`` (what vLLM's "KV cache size: N tokens" line and its concurrency
 estimate use) counts max_model_len / R concepts.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import logging
@@ -36,15 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .feedback import BROKEN, ESTIMATED, HANDLED, OVERFLOW, FeedbackTable, shared_table
-from .state import Batch, RequestStates, host, on
+from .feedback import ESTIMATED, HANDLED, shared_table
+from .prefix import Hit
 
 logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
 
@@ -161,7 +162,10 @@ class ConceptAttentionManager(FullAttentionManager):
     handles the model's flags (``sched.ConceptScheduler`` sets ``estimates``), a step's slots come
     from the estimate (``estimated_slots``), so a prefill chunk holds about its concepts, not its
     tokens; a request whose concepts outrun its estimate is recomputed at the safe bound
-    (``safe``). Each allocation grants the request its capacity (``feedback.py``)."""
+    (``safe``). Each allocation grants the request its capacity (``feedback.py``).
+
+    With prefix caching its rows start with the lead block (``lead``), and its hits, shared blocks
+    and copies are the concept side's (``prefix.py``); vLLM's token-rate caching of its blocks is off."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -174,12 +178,20 @@ class ConceptAttentionManager(FullAttentionManager):
         self.epochs: dict[str, int] = {}
         self._granted: dict[str, tuple[int, int, int, int]] = {}  # the last grant written, per request
         self.margin, self.pad = _estimate_terms()
+        self.lead = 1 if self.enable_caching else 0  # blocks before a row's concepts
+        self.hits: dict[str, tuple[int, int]] = {}  # request id -> (T, C) of its prefix hit
+        self.chains: dict[str, list] = {}  # request id -> its concept blocks registered so far (prefix.py)
+
+    def _key_block(self, request_id: str):
+        """The request's first block (its feedback key), None before it has one."""
+        blocks = self.req_to_blocks.get(request_id)
+        return blocks[0] if blocks and not blocks[0].is_null else None
 
     def _report(self, request_id: str) -> tuple[int, int] | None:
-        """(T, C) of the request's last report under its epoch (None: none yet)."""
-        blocks = self.req_to_blocks.get(request_id)
-        got = self._table.report(blocks[0].block_id, self.epochs.get(request_id, 0)) if blocks else None
-        return None if got is None else got[:2]
+        """(T, C) of the request's last report under its epoch, else of its prefix hit (None: neither)."""
+        first = self._key_block(request_id)
+        got = self._table.report(first.block_id, self.epochs.get(request_id, 0)) if first else None
+        return self.hits.get(request_id) if got is None else got[:2]
 
     def flag(self, request_id: str) -> int:
         return self.flags([request_id])[0]
@@ -187,10 +199,11 @@ class ConceptAttentionManager(FullAttentionManager):
     def flags(self, request_ids) -> list[int]:
         """The flag of each request's last report (0: none, or not this life's), read at once."""
         ids = list(request_ids)
-        held = [i for i, r in enumerate(ids) if self.req_to_blocks.get(r)]
+        firsts = [self._key_block(r) for r in ids]
+        held = [i for i, f in enumerate(firsts) if f is not None]
         out = [0] * len(ids)
         if held:
-            keys = np.array([self.req_to_blocks[ids[i]][0].block_id for i in held])
+            keys = np.array([firsts[i].block_id for i in held])
             vals, ok = self._table.reports(keys, [self.epochs.get(ids[i], 0) for i in held])
             for i, f, good in zip(held, vals[:, 2].tolist(), ok.tolist()):
                 out[i] = f if good else 0
@@ -209,19 +222,51 @@ class ConceptAttentionManager(FullAttentionManager):
         """The request's expected concepts a token: 1/R (its own R, else the run's)."""
         return self.rates.get(request_id, 1.0 / self.kv_cache_spec.compression)
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, **kwargs) -> int:
-        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens)[0], *args,
-                                                  **kwargs)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks=(), *args,
+                                   **kwargs) -> int:
+        if request_id not in self.req_to_blocks:  # a new life: its hit, if any, is where its concepts start
+            self.hits.pop(request_id, None)
+            if isinstance(new_computed_blocks, Hit) and new_computed_blocks:
+                self.hits[request_id] = (new_computed_blocks.tokens, new_computed_blocks.concepts)
+        slots = self.lead * self.block_size + self._slots(request_id, num_tokens)[0]
+        return super().get_num_blocks_to_allocate(request_id, slots, new_computed_blocks, *args, **kwargs)
+
+    def _has_partial_local_hit(self, new_computed_blocks, num_local_computed_tokens: int) -> bool:
+        """A hit whose last concept block is partly filled: the request appends there, so it gets a copy."""
+        return isinstance(new_computed_blocks, Hit) and bool(new_computed_blocks) and \
+            new_computed_blocks.concepts % self.block_size != 0
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks, num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """A hit's concept blocks after a placeholder for the lead block (taken in
+        ``allocate_new_blocks``: here it could evict another group's hit, not yet touched)."""
+        if not new_computed_blocks:
+            return super().add_local_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens,
+                                                     num_external_computed_tokens)
+        self.block_pool.touch(new_computed_blocks)
+        row = self.req_to_blocks[request_id]
+        row.extend([self._null_block] * self.lead + list(new_computed_blocks))
+        self.num_cached_block[request_id] = len(row)
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens):
+            at = self.lead + new_computed_blocks.concepts // self.block_size
+            self._partial_hit_reqs[request_id] = (at, new_computed_blocks[-1])
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         slots, bound = self._slots(request_id, num_tokens)
-        new = super().allocate_new_blocks(request_id, slots, min(slots, num_tokens_main_model))
+        row = self.req_to_blocks.get(request_id)
+        lead = []
+        if row and row[0].is_null:  # a hit's lead block
+            lead = self.block_pool.get_new_blocks(1)
+            row[0] = lead[0]
+        held_slots = self.lead * self.block_size + slots
+        new = lead + super().allocate_new_blocks(request_id, held_slots, held_slots)
         held = self.req_to_blocks.get(request_id)
         if not held:
             return new
-        if request_id not in self.epochs:
+        if request_id not in self.epochs:  # a new life
             self.epochs[request_id] = next(_EPOCHS)
-        capacity = len(held) * self.block_size
+            self.chains.pop(request_id, None)
+        capacity = (len(held) - self.lead) * self.block_size
         mode = (ESTIMATED if capacity < bound else 0) | (HANDLED if self.estimates else 0)
         grant = (held[0].block_id, self.epochs[request_id], capacity, mode)
         if self._granted.get(request_id) != grant:  # most steps change nothing: no write
@@ -229,12 +274,27 @@ class ConceptAttentionManager(FullAttentionManager):
             self._granted[request_id] = grant
         return new
 
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        """Nothing at allocation: a concept block's prefix is known after the step (``prefix.py``)."""
+        self.num_cached_block.setdefault(request.request_id, 0)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids: list[int], block_pool,
+                               kv_cache_spec, drop_eagle_block: bool, alignment_tokens: int, *args, **kwargs):
+        index = getattr(block_pool, "conceptmoe_prefix", None)
+        if index is None:
+            return tuple(Hit() for _ in kv_cache_group_ids), 0
+        return index.longest(block_hashes, max_length, kv_cache_group_ids, alignment_tokens)
+
     def pop_blocks_for_free(self, request_id: str):
+        first = self._key_block(request_id)
         blocks = super().pop_blocks_for_free(request_id)
         self.epochs.pop(request_id, None)
         self._granted.pop(request_id, None)
-        if blocks:
-            self._table.clear(blocks[0].block_id)
+        self.hits.pop(request_id, None)
+        self.chains.pop(request_id, None)
+        if first is not None:
+            self._table.clear(first.block_id)
         return blocks
 
     def forget(self, request_id: str) -> None:
@@ -242,135 +302,6 @@ class ConceptAttentionManager(FullAttentionManager):
         self.rates.pop(request_id, None)
         self.safe.discard(request_id)
         self.boost.pop(request_id, None)
-
-
-class ConceptCache:
-    """The model's side of the concept cache: concept-rate attention metadata for the concept
-    layers, every concept checked against its request's granted capacity, and each request's
-    (tokens, concepts, flag) reported to the concept groups' managers."""
-
-    def __init__(self, vllm_config, layers) -> None:
-        self.vllm_config, self.layers = vllm_config, layers
-        self._builder = None
-        self._feedback: FeedbackTable | None = None
-
-    def groups(self, md: dict) -> list[tuple[list[str], torch.Tensor]]:
-        """The concept layers grouped by block table (one per vLLM KV-cache group), from vLLM's metadata."""
-        out: dict[int, tuple[list[str], torch.Tensor]] = {}
-        for attn in self.layers:
-            bt = md[attn.layer_name].block_table
-            out.setdefault(id(bt), ([], bt))[0].append(attn.layer_name)
-        return list(out.values())
-
-    def install_metadata(self, md: dict, groups, counts: list[int], firsts: list[int], c_pos: torch.Tensor) -> None:
-        """Concept-rate attention metadata for each concept group, put where vLLM's ``Attention``
-        reads it: the requests with new concepts, queries = their new concepts, context = all
-        their concepts, slots = the concept positions in the group's blocks (checked against the
-        grants first: ``admit``)."""
-        ctx = get_forward_context()
-        counts = np.asarray(counts, dtype=np.int64)
-        live = np.flatnonzero(counts)
-        k = counts[live]
-        dev, cpos = c_pos.device, host(c_pos)
-        qsl = torch.from_numpy(np.concatenate([[0], k.cumsum()]).astype(np.int32))
-        seq = torch.from_numpy((np.asarray(firsts, dtype=np.int64)[live] + k).astype(np.int32))
-        req = np.repeat(live, k)  # (M,) the batch row of each concept
-        kbs = self.layers[0].kv_cache.shape[2]  # kernel block size (CPU: [blocks, G, kbs, 2 Dh])
-        cmd = None
-        for names, table in groups:
-            slots = self._slots(table, req, cpos, kbs, dev)  # (M,)
-            bt = table[:live.size] if live.size == len(counts) else table[on(live, table.device)]
-            if cmd is None:  # built once: the groups differ in their tables only
-                common = CommonAttentionMetadata(
-                    query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
-                    num_reqs=int(live.size), num_actual_tokens=int(cpos.size), max_query_len=int(k.max()),
-                    max_seq_len=int(seq.max()), block_table_tensor=bt, slot_mapping=slots, causal=True)
-                cmd = self._metadata_builder().build(0, common)
-            else:
-                cmd = self._retable(cmd, bt, slots)
-            for name in names:
-                ctx.attn_metadata[name] = cmd
-                ctx.slot_mapping[name] = slots
-
-    @staticmethod
-    def _slots(table: torch.Tensor, req: np.ndarray, cpos: np.ndarray, kbs: int, dev) -> torch.Tensor:
-        """Each concept's slot: its block (a kernel block of ``kbs`` slots) from its request's row of
-        ``table``, then its place in that block. On the CPU in numpy on a view of the table; on
-        another device there, without copying the table to the host."""
-        if table.device.type == "cpu":
-            return on(table.numpy()[req, cpos // kbs].astype(np.int64) * kbs + cpos % kbs, dev)
-        pos = on(cpos, table.device)
-        return table[on(req, table.device), pos // kbs].long() * kbs + pos % kbs
-
-    def _retable(self, cmd, table: torch.Tensor, slots: torch.Tensor):
-        """``cmd`` for another concept group: its block table and slots. The backends the concept
-        layers run on (``refuse.TESTED_BACKENDS``) keep nothing else that depends on them."""
-        builder = self._metadata_builder()
-        if builder.supports_update_block_table:
-            return builder.update_block_table(cmd, table, slots)
-        cmd = copy.copy(cmd)
-        cmd.block_table, cmd.slot_mapping = table, slots
-        return cmd
-
-    def _metadata_builder(self):
-        if self._builder is None:
-            layer = self.layers[0]
-            spec = layer.get_kv_cache_spec(self.vllm_config)
-            names = [a.layer_name for a in self.layers]
-            device = layer.kv_cache.device
-            self._builder = layer.attn_backend.get_builder_cls()(spec, names, self.vllm_config, device)
-        return self._builder
-
-    def _keys(self, table: torch.Tensor, n: int) -> np.ndarray:
-        """The feedback keys of the first ``n`` requests: their first block, in the scheduler's units."""
-        kbs = self.layers[0].kv_cache.shape[2]
-        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
-        return host(table[:n, 0]) // per_block
-
-    def grants(self, groups, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 3: epoch,
-        capacity, mode); the keys are the report's too."""
-        table = self.feedback_table()
-        keys = [self._keys(bt, n) for _, bt in groups]
-        return keys, [table.grants(k) for k in keys]
-
-    def admit(self, grants: list[np.ndarray], firsts: list[int], counts: list[int]) -> np.ndarray:
-        """(n,) the step's flag per request: 0, or the requests whose concepts would pass their
-        capacity in some group (OVERFLOW under an estimated grant, BROKEN under a bound one or no
-        grant). A flagged request's concepts are not written (the caller drops them). Where the
-        scheduler does not handle flags, a short grant raises: vLLM stops rather than serve it."""
-        need = np.asarray(firsts, dtype=np.int64) + np.asarray(counts, dtype=np.int64)
-        flags = np.zeros(len(counts), dtype=np.int64)
-        for g in grants:
-            short = (g[:, 0] <= 0) | (need > g[:, 1])
-            short &= np.asarray(counts) > 0
-            flags[short] = np.maximum(flags[short], np.where(g[short, 2] & ESTIMATED, OVERFLOW, BROKEN))
-            unhandled = short & ((g[:, 2] & HANDLED) == 0)
-            if unhandled.any():
-                r = int(np.nonzero(unhandled)[0][0])
-                raise RuntimeError(f"ConceptMoE in vLLM: a request made {need[r]} concepts where its blocks hold "
-                                   f"{g[r, 1]} slots (grant epoch {g[r, 0]}); refusing to write outside its blocks")
-        for r in np.nonzero(flags == BROKEN)[0]:
-            logger.error("ConceptMoE in vLLM: request in batch row %d needs %d concept slots but was granted %d; "
-                         "nothing written, the request is ended", r, need[r], min(int(g[r, 1]) for g in grants))
-        return flags
-
-    def report(self, keys: list[np.ndarray], grants: list[np.ndarray], batch: Batch, states: RequestStates,
-               flags) -> None:
-        """(epoch, tokens, concepts, flag) of every request, for the concept groups' managers."""
-        table = self.feedback_table()
-        concepts = states.concepts.numpy()[batch.rows]
-        tokens = np.array(batch.done) + np.array(batch.ends) - np.array(batch.starts)
-        for k, g in zip(keys, grants):
-            table.report_many(k, g[:, 0], tokens, concepts, flags)
-
-    def feedback_table(self) -> FeedbackTable:
-        """The table the engine's scheduler made (``feedback.py``); an error if it cannot be opened."""
-        if self._feedback is None:
-            backend = self.vllm_config.parallel_config.distributed_executor_backend
-            engine = os.getppid() if backend == "mp" else os.getpid()
-            self._feedback = FeedbackTable(engine, self.layers[0].kv_cache.shape[0])
-        return self._feedback
 
 
 def register_spec() -> None:

@@ -107,7 +107,7 @@ def server_command(cfg: VllmServeConfig, folder: Path, concept: bool) -> tuple[l
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--host", cfg.host, "--port", str(cfg.port), "--served-model-name", name,
             "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[cfg.dtype], "--max-num-seqs", str(cfg.max_batch),
-            "--no-enable-prefix-caching", "--disable-uvicorn-access-log", "--logits-processors", RATIO_PROCESSOR]
+            "--disable-uvicorn-access-log", "--logits-processors", RATIO_PROCESSOR]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.max_num_batched_tokens:

@@ -55,7 +55,8 @@ from ..model.attention import rope_tables
 from ..model.config import ModelConfig
 from ..model.lm import Block, ConceptMoELM, build_model
 from .dense import BlockLinears, run_block
-from .kv import ConceptAttention, ConceptCache
+from .cache import ConceptCache
+from .kv import ConceptAttention
 from .refuse import compiles, refuse_backend, refuse_unsupported
 from .ratio import repeat_terms, row_ratios
 from .stages import Stages
@@ -72,6 +73,8 @@ class _Step(NamedTuple):
     states: RequestStates
     terms: object  # an elastic model's ratio terms, one row per request (else None)
     n: int  # real tokens in the flat batch
+    fed: tuple  # the concept groups' feedback keys and grants, the requests without their snapshot
+    tokens: torch.Tensor  # the token group's block table (a snapshot's row: ``cache.py``)
 
 
 class ConceptMoEForCausalLM(nn.Module):
@@ -109,7 +112,6 @@ class ConceptMoEForCausalLM(nn.Module):
         self._layers = self._stacks()
         self._compile = compiles(vllm_config)
         self._stage = Stages(self, self._compile, dict(vllm_config.compilation_config.inductor_compile_config))
-        self._states: RequestStates | None = None
         self._cache = ConceptCache(vllm_config, self.concept_attn)
         self._released: dict[str, torch.Size] = {}  # our weights freed once copied into vLLM's layers
         # RoPE's cos and sin for every position a step can hold, computed once: inside a compiled
@@ -316,14 +318,12 @@ class ConceptMoEForCausalLM(nn.Module):
 
     def _step(self, md: dict, x: torch.Tensor) -> _Step:
         """This step's requests, their state (reset for a request starting over: new, or recomputed
-        after preemption) and, for an elastic model, their ratio terms."""
-        groups = self._cache.groups(md)
-        batch = Batch.of(md[self.token_attn[0].layer_name], groups[0][1])
-        states = self._request_states(x)
-        fresh = [row for row, done in zip(batch.rows, batch.done) if done == 0]
-        if fresh:
-            states.reset(fresh)
-        return _Step(md, groups, batch, states, self._terms(batch, x.device), batch.ends[-1] if batch.ends else 0)
+        after preemption; a prefix hit's snapshot: ``cache.py``) and, for an elastic model, their ratio terms."""
+        groups, tok = self._cache.groups(md), md[self.token_attn[0].layer_name]
+        batch, states = Batch.of(tok, groups[0][1]), self._cache.states(x)
+        fed = self._cache.begin(groups, batch, states, tok.block_table)
+        return _Step(md, groups, batch, states, self._terms(batch, x.device), batch.ends[-1] if batch.ends else 0,
+                     fed, tok.block_table)
 
     def _route_inputs(self, h: torch.Tensor, pos: torch.Tensor, step: _Step | None):
         """The router's inputs besides h: positions, which tokens read their request's kept key
@@ -353,9 +353,10 @@ class ConceptMoEForCausalLM(nn.Module):
         cfg, md, groups, batch, states = self.cfg, step.md, step.groups, step.batch, step.states
         dev, n = h.device, h.shape[0]
         bn = host(p if p.dtype == torch.float32 else p.float()) >= 0.5  # the boundaries
-        fed, grants = self._cache.grants(groups, len(batch.rows))  # feedback keys, grants
+        fed, grants, broken = step.fed  # feedback keys, grants, requests without their snapshot
         at, cpos, counts, firsts = locate_concepts(bn, batch, states)
-        flags = self._cache.admit(grants, firsts, counts)  # requests whose concepts pass their blocks
+        flags = self._cache.admit(grants, firsts, counts, broken)  # requests whose concepts pass their blocks
+        z_tok = pool0 = None  # the state inside the step, for the prefix cache's snapshots
         rows = np.asarray(batch.rows, dtype=np.int64)
         rows_t, decode = on(rows, dev), decoding(batch)
         if self._compile and decode and at.size and not flags.any() and cfg.concept_pooling != "mean":
@@ -366,8 +367,9 @@ class ConceptMoEForCausalLM(nn.Module):
             states.z[rows_t] = z
             states.concepts.numpy()[rows] += bn
         else:
-            b = on(bn, dev)
-            c_raw, c_pos, c_p = concept_inputs(h, b, p, at, cpos, batch, states, cfg.concept_pooling == "mean")
+            b, mean = on(bn, dev), cfg.concept_pooling == "mean"
+            pool0 = (states.pool_sum[rows_t].clone(), states.pool_count[rows_t].clone()) if mean else None
+            c_raw, c_pos, c_p = concept_inputs(h, b, p, at, cpos, batch, states, mean)
             counts, firsts = counts.tolist(), firsts.tolist()
             if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
                 c_raw, c_pos, c_p, counts, b = drop_requests(flags.nonzero()[0].tolist(), c_raw, c_pos, c_p,
@@ -378,14 +380,10 @@ class ConceptMoEForCausalLM(nn.Module):
                 src = self._source(c_raw, c_pos, c_terms, self._stage("concept", c_raw.shape[0]))  # (M, D)
             else:
                 src = h.new_zeros(0, h.shape[1])
-            out = self._stage("decoder", n)(h, dechunk(src, c_p, b, batch, counts, states), pos)
+            z_tok = dechunk(src, c_p, b, batch, counts, states)
+            out = self._stage("decoder", n)(h, z_tok, pos)
         if keys is not None:  # each request's last key (a decode step: every token is one)
             states.last_key[rows_t] = keys if decode else keys[on(np.asarray(batch.ends, dtype=np.int64) - 1, dev)]
         self._cache.report(fed, grants, batch, states, flags)
+        self._cache.save(batch, bn, flags, grants, firsts, keys, z_tok, h, pool0, states, step.tokens)
         return out
-
-    def _request_states(self, h: torch.Tensor) -> RequestStates:
-        if self._states is None:
-            blocks = self.concept_attn[0].kv_cache.shape[0]
-            self._states = RequestStates.empty(blocks, h.shape[1], h.dtype, h.device)
-        return self._states

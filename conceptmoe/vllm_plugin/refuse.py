@@ -14,9 +14,6 @@ from vllm.config import VllmConfig
 def refuse_unsupported(vllm_config: VllmConfig) -> None:
     """Raises with one line for the first engine setting the concept cache cannot serve (yet)."""
     c, par = vllm_config, vllm_config.parallel_config
-    if c.cache_config.enable_prefix_caching:
-        raise ValueError("ConceptMoE in vLLM: prefix caching is not supported (concept blocks depend on where "
-                         "the router cuts); pass --no-enable-prefix-caching")
     if c.speculative_config is not None:
         raise ValueError("ConceptMoE in vLLM: speculative decoding is not supported (a rejected draft token "
                          "may already have made a concept); drop --speculative-config")

@@ -15,6 +15,10 @@ Load it with ``--scheduler-cls conceptmoe.vllm_plugin.sched.ConceptScheduler`` (
   (finish reason ``error``), logged, and nothing else is touched.
 
 Without this scheduler the managers allocate at the safe bound, which is never short.
+
+With prefix caching it also keeps the concept side's prefix index (``prefix.py``): after every
+step, before finished requests free their blocks, it registers the snapshots the model wrote, and
+a request at an R other than the export's gets its R in its hashes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from vllm.v1.request import RequestStatus
 
 from .feedback import BROKEN, OVERFLOW
 from .kv import ConceptAttentionManager, estimated_slots
+from .prefix import PrefixIndex, salted
 from .ratio import request_ratio
 
 logger = logging.getLogger("vllm.conceptmoe")  # under vLLM's logger: its handler and level
@@ -68,12 +73,41 @@ class ConceptScheduler(Scheduler):
             logger.info("ConceptMoE: concept slots from estimates (new tokens / R x %g + %d), %d concept group(s)",
                         m.margin, m.pad, len(self.concept_managers))
         self.recomputed = 0  # requests recomputed after an estimate fell short
+        self.prefix = self._prefix_index()
+
+    def _group_of(self, layer: str) -> int:
+        """The KV-cache group that holds the model's layer ``layer`` (``token_attn.0``, ``concept_attn.0``)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        return next(i for i, g in enumerate(groups) if any(n.endswith(layer) for n in g.layer_names))
+
+    def _prefix_index(self) -> PrefixIndex | None:
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        if not self.concept_managers or not self.concept_managers[0].enable_caching:
+            return None
+        token = self._group_of("token_attn.0")
+        first = managers[self._group_of("concept_attn.0")]  # the group whose epoch the model writes
+        self.concept_managers.sort(key=lambda m: m is not first)
+        m = self.concept_managers[0]
+        index = PrefixIndex(m.block_pool, token, managers[token], m._table, m.block_size)
+        m.block_pool.conceptmoe_prefix = index  # where the managers' hit finder (a classmethod) finds it
+        logger.info("ConceptMoE: prefix caching on (concept blocks and snapshots registered after each step)")
+        return index
 
     def add_request(self, request) -> None:
         ratio = request_ratio(request.sampling_params) if request.sampling_params is not None else None
         for m in self.concept_managers:
             m.rates[request.request_id] = 1.0 / (ratio or m.kv_cache_spec.compression)
+        if self.prefix is not None:
+            salted(request, ratio, self.concept_managers[0].kv_cache_spec.compression)
         super().add_request(request)
+
+    def _register(self, scheduler_output, flags: dict[str, int]) -> None:
+        """The snapshots of the step's unflagged requests, into the prefix index."""
+        m = self.concept_managers[0]
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if req_id not in flags and request is not None and req_id in m.epochs:
+                self.prefix.register(request, m.epochs[req_id], self.concept_managers)
 
     def _flags(self, scheduler_output) -> dict[str, int]:
         """The flagged requests of the step (one read of the table per concept group)."""
@@ -83,6 +117,8 @@ class ConceptScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         flags = self._flags(scheduler_output) if self.concept_managers else {}
+        if self.prefix is not None:
+            self._register(scheduler_output, flags)
         out = model_runner_output
         for req_id in flags:  # everything the step made for a flagged request is dropped (recompute.py)
             i = out.req_id_to_index.get(req_id)
@@ -141,4 +177,6 @@ class ConceptScheduler(Scheduler):
     def _free_request(self, request, *args, **kwargs):
         for m in self.concept_managers:
             m.forget(request.request_id)
+        if self.prefix is not None:
+            self.prefix.forget(request.request_id)
         return super()._free_request(request, *args, **kwargs)

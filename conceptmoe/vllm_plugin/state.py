@@ -28,16 +28,26 @@ class RequestStates:
     pool_sum: torch.Tensor  # (blocks, D) mean pooling: tokens since the last boundary, summed
     pool_count: torch.Tensor  # (blocks,) long
     concepts: torch.Tensor  # (blocks,) long, on the CPU: the request's concepts so far
+    lives: torch.Tensor  # (blocks,) long, on the CPU: the life (grant epoch) a row's state belongs to
 
     @classmethod
     def empty(cls, blocks: int, d: int, dtype: torch.dtype, device: torch.device) -> "RequestStates":
         zeros = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
         return cls(zeros(blocks, d, dt=torch.float32), zeros(blocks, d), zeros(blocks, d),
-                   zeros(blocks, dt=torch.long), torch.zeros(blocks, dtype=torch.long))
+                   zeros(blocks, dt=torch.long), torch.zeros(blocks, dtype=torch.long),
+                   torch.zeros(blocks, dtype=torch.long))
 
     def reset(self, rows: list[int]) -> None:
         for t in (self.last_key, self.z, self.pool_sum, self.pool_count, self.concepts):
             t[rows] = 0
+
+    def copy_rows(self, rows: np.ndarray, src: "RequestStates", src_rows: np.ndarray) -> None:
+        """Rows ``rows`` := ``src``'s rows ``src_rows`` (every field but the lives)."""
+        dst_t, src_t = on(rows, self.z.device), on(src_rows, self.z.device)
+        for a, b in ((self.last_key, src.last_key), (self.z, src.z), (self.pool_sum, src.pool_sum),
+                     (self.pool_count, src.pool_count)):
+            a[dst_t] = b[src_t]
+        self.concepts.numpy()[rows] = src.concepts.numpy()[src_rows]
 
 
 @dataclass
@@ -229,3 +239,43 @@ def drop_requests(flagged: list[int], c_raw: torch.Tensor, c_pos: torch.Tensor, 
         b[batch.starts[r]:batch.ends[r]] = False
     counts = [0 if r in dropped else k for r, k in enumerate(counts)]
     return c_raw[keep], c_pos[keep], c_p[keep], counts, b
+
+
+def block_ends(batch: Batch, block: int, skip: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(request (K,), position t (K,)) of every token-block end the step reaches: t a multiple of
+    ``block`` with done < t <= done + new tokens, for the requests not in ``skip`` (R,) bool."""
+    done = np.asarray(batch.done, dtype=np.int64)
+    end = done + np.asarray(batch.ends, dtype=np.int64) - np.asarray(batch.starts, dtype=np.int64)
+    first, last = done // block + 1, end // block  # the block ends each request reaches
+    n = np.where(skip, 0, np.maximum(last - first + 1, 0))
+    req = np.repeat(np.arange(len(n)), n)
+    t = (first[req] + np.arange(req.size) - (n.cumsum() - n)[req]) * block
+    return req, t
+
+
+def inner_states(req: np.ndarray, t: np.ndarray, batch: Batch, bn: np.ndarray, firsts: np.ndarray, keys, z_tok,
+                 h: torch.Tensor, pool0) -> tuple:
+    """The state at positions ``t`` inside the step (each before its request's last token): what
+    its request would carry on with from there, as the step's own state after its last token.
+    (concepts (K,), last key (K, D) or None, z (K, D), pool sum (K, D) and count (K,) or None).
+    ``pool0``: mean pooling's (sum (R, D), count (R,)) before the step, else None."""
+    starts, done = np.asarray(batch.starts, dtype=np.int64), np.asarray(batch.done, dtype=np.int64)
+    f = starts[req] + t - done[req] - 1  # the last token before each position, in the flat batch
+    cs = bn.astype(np.int64).cumsum()
+    before = np.where(starts > 0, cs[np.maximum(starts - 1, 0)], 0)  # boundaries before each request
+    concepts = firsts[req] + cs[f] - before[req]
+    f_t = on(f, h.device)
+    last_key = None if keys is None else keys[f_t]
+    pool = None
+    if pool0 is not None:
+        last_b = np.maximum.accumulate(np.where(bn, np.arange(bn.size), -1))[f]  # the last boundary <= f
+        sums, counts = [], []
+        for r, j, b in zip(req.tolist(), f.tolist(), last_b.tolist()):
+            if b >= starts[r]:  # tokens after the request's last boundary
+                sums.append(h[b + 1:j + 1].sum(0))
+                counts.append(j - b)
+            else:  # its pool from before the step, and the step's tokens so far
+                sums.append(pool0[0][r] + h[starts[r]:j + 1].sum(0))
+                counts.append(int(pool0[1][r]) + j - int(starts[r]) + 1)
+        pool = (torch.stack(sums), torch.tensor(counts, dtype=torch.long, device=h.device))
+    return concepts, last_key, z_tok[f_t], pool
