@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from vllm_helpers import complete, need_vllm, vllm_server
+from vllm_helpers import complete, metric, need_vllm, vllm_server
 
 need_vllm()
 
@@ -31,7 +31,7 @@ from hf_helpers import concept_run  # noqa: E402
 
 from conceptmoe import load_run  # noqa: E402
 from vllm_fuzz import KINDS  # noqa: E402
-from vllm_load import (BUDGET_MB, LENGTHS, LONG_ARGS, NEW, SHAPE, VLLM_ARGS, prompts,  # noqa: E402
+from vllm_load import (BUDGET_MB, LENGTHS, LONG_ARGS, NEW, SHAPE, VLLM_ARGS, check_cached, prompts,  # noqa: E402
                        serve_and_check)
 
 
@@ -73,6 +73,7 @@ def test_moe_export_in_vllm_is_exact(moe, runs):
     assert moe["again"] == moe["want"][:3]
     assert moe["grown"] == moe["want_grow"]  # under the binding budget
     assert moe["preemptions"] > 0
+    check_cached(moe)
 
 
 def test_long_contexts_past_training_are_served(moe, cm_estimated):
@@ -88,6 +89,7 @@ def test_conceptmoe_in_vllm_is_exact_with_chunked_prefill_and_preemption(cm):
     assert cm["grown"] == cm["want_grow"]
     assert cm["preemptions"] > 0  # the budget binds: requests were preempted and recomputed
     assert cm["copies"] == [cm["want"][8]] * 12  # batch invariance
+    check_cached(cm)
 
 
 def test_conceptmoe_is_exact_when_its_estimate_falls_short(cm_estimated):
@@ -97,6 +99,7 @@ def test_conceptmoe_is_exact_when_its_estimate_falls_short(cm_estimated):
     assert cm_estimated["got"] == cm_estimated["want"]
     assert cm_estimated["again"] == cm_estimated["want"][:3]
     assert cm_estimated["grown"] == cm_estimated["want_grow"]
+    check_cached(cm_estimated)  # hits on prefixes whose later steps were flagged and recomputed
 
 
 def test_a_flagged_step_leaves_no_trace(cm, cm_estimated, moe):
@@ -170,7 +173,11 @@ def test_elastic_run_in_vllm_is_exact(runs, eager):
                      "--vllm-args", VLLM_ARGS + (" --enforce-eager" if eager else "")) as url:
         assert complete(url, prompts(), NEW) == want
         xargs = [{"vllm_xargs": {"concept_ratio": r}} if r else {} for r in mixed]
+        # the same prompts at R 2 and 4 must not hit their R-3 prefixes (R is in their hashes), the R-3 ones may
+        hits = metric(url, "vllm:prefix_cache_hits_total")
         assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed
+        assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed  # each R hits its own
+        assert metric(url, "vllm:prefix_cache_hits_total") > hits
         for bad, why in ((9.0, "outside the trained range [2, 4]"), ("2", "must be a number"),
                          (1.0, "finite number > 1")):
             r = httpx.post(url + "/v1/completions", timeout=60, json={

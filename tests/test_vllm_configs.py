@@ -28,7 +28,7 @@ from vllm_helpers import need_vllm
 need_vllm()
 
 from hf_helpers import concept_run, shrunk_config  # noqa: E402
-from vllm_load import SHAPE, serve_and_check  # noqa: E402
+from vllm_load import SHAPE, check_cached, serve_and_check  # noqa: E402
 
 from conceptmoe.interop import import_hf  # noqa: E402
 from conceptmoe.interop.convert import convert_run  # noqa: E402
@@ -88,6 +88,7 @@ def test_every_configuration_is_exact_in_vllm(runs, name):
     assert got["again"] == got["want"][:3], name
     assert got["grown"] == got["want_grow"], name
     assert got["preemptions"] > 0, name
+    check_cached(got)
     assert got["copies"] == [got["want"][8]] * 12, name  # batch invariance
     short_alone, short_batched, long_alone, long_batched = got["seeded"]
     assert short_alone[0] == short_alone[1] == short_batched[0] == short_batched[1]

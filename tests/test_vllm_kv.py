@@ -76,12 +76,12 @@ def test_manager_counts_blocks_in_concepts_at_the_safe_bound(manager):
     assert to_allocate(manager, "r", 200, 16) == 5
     assert len(manager.allocate_new_blocks("r", 200, 200)) == 5
     assert len(manager.req_to_blocks["r"]) == 6
-    epoch, capacity, mode = manager._table.grants(np.array([first[0].block_id]))[0]
+    epoch, capacity, mode = manager._table.grants(np.array([first[0].block_id]))[0, :3]
     assert (epoch, capacity, mode) == (manager.epochs["r"], 6 * BLOCK, 0)  # granted: bound, not estimated
     free_before = manager.block_pool.get_num_free_blocks()
     manager.free("r")
     assert manager.block_pool.get_num_free_blocks() == free_before + 6
-    assert manager._table.grants(np.array([first[0].block_id]))[0].tolist() == [0, 0, 0]  # gone with the blocks
+    assert manager._table.grants(np.array([first[0].block_id]))[0].tolist() == [0] * 5  # gone with the blocks
 
 
 def test_estimates_hold_a_prompt_at_concept_rate(manager):
@@ -90,7 +90,7 @@ def test_estimates_hold_a_prompt_at_concept_rate(manager):
     assert to_allocate(manager, "r", 2048, 0) == 41  # 1296 slots, not 2048: admission at concept rate
     manager.allocate_new_blocks("r", 2048, 2048)
     key = manager.req_to_blocks["r"][0].block_id
-    epoch, capacity, mode = manager._table.grants(np.array([key]))[0]
+    epoch, capacity, mode = manager._table.grants(np.array([key]))[0, :3]
     assert capacity == 41 * BLOCK and mode == ESTIMATED | HANDLED
     report(manager, "r", 2048, 1010)
     assert to_allocate(manager, "r", 2049, 2048) == 0  # one decode token: the bound, within what it holds
@@ -117,9 +117,9 @@ def test_a_torn_report_is_not_used(manager):
     report(manager, "r", 16, 2)
     assert to_allocate(manager, "r", 100, 16) == 3 - 1  # 2 + 84 = 86 slots: 3 blocks
     key = manager.req_to_blocks["r"][0].block_id
-    manager._table.table[key, 4] += 1  # a write under way (odd sequence number)
+    manager._table.table[key, feedback._R] += 1  # a write under way (odd sequence number)
     assert to_allocate(manager, "r", 100, 16) == 4 - 1  # as without a report
-    manager._table.table[key, 4] += 1
+    manager._table.table[key, feedback._R] += 1
     assert to_allocate(manager, "r", 100, 16) == 3 - 1
 
 
@@ -294,3 +294,73 @@ def test_a_flagged_request_is_recomputed_where_it_fits_or_ended():
     assert recompute_plan(200, 100, [32], [(32, 0.5, 0.1, 0, 8.0)]) == "safe"
     two = [(32, 0.5, 0.1, 0, 1.0), (32, 0.5, 0.1, 0, 4.0)]  # several concept groups: each its own boost
     assert recompute_plan(200, 12, [32], two) == [2.0, 8.0]
+
+
+def test_a_prefix_hit_shares_full_concept_blocks_copies_the_last_and_ends_with_eviction(tmp_path, monkeypatch):
+    """Prefix caching (prefix.py) without a server: request a's snapshots registered after its step;
+    b, sharing its first two token blocks, hits 64 tokens with a's 37 concepts: its row is a lead
+    block of its own, a's first concept block shared, and a copy of a's second (5 of its slots are
+    the prefix's; b appends there); once a's blocks are evicted, nothing hits."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from conceptmoe.vllm_plugin.prefix import Hit, PrefixIndex
+
+    monkeypatch.setattr(feedback, "FEEDBACK_DIR", tmp_path)
+    monkeypatch.setattr(feedback, "_TABLES", {})
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BLOCK)
+    spec = ConceptAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32, compression=2.0)
+    token = FullAttentionManager(FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32),
+                                 pool, enable_caching=True, kv_cache_group_id=0, scheduler_block_size=BLOCK)
+    concept = ConceptAttentionManager(spec, pool, enable_caching=True, kv_cache_group_id=1, scheduler_block_size=BLOCK)
+    pool.conceptmoe_prefix = index = PrefixIndex(pool, [0], [token], concept._table, BLOCK)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+
+    def lookup(hs, max_length):
+        (hit,), n = ConceptAttentionManager.find_longest_cache_hit(hs, max_length, [1], pool, spec, False, BLOCK)
+        return hit, n
+
+    a = SimpleNamespace(request_id="a", block_hashes=hashes, num_computed_tokens=96)
+    token.allocate_new_blocks("a", 96, 96)
+    concept.allocate_new_blocks("a", 96, 96)  # the safe bound: 96 concept slots after the lead block
+    assert len(concept.req_to_blocks["a"]) == 1 + 3
+    for h, blk in zip(hashes, token.req_to_blocks["a"]):  # what vLLM does for the token group at allocation
+        pool._insert_block_hash(make_block_hash_with_group_id(h, 0), blk, None)
+    assert lookup(hashes, 96)[1] == 0  # nothing registered yet: the step has not run
+    ids = np.array([b.block_id for b in token.req_to_blocks["a"]])
+    epoch = concept.epochs["a"]
+    concept._table.snapshot_many(ids, [epoch] * 3, [32, 64, 96], [20, 37, 50])  # the worker's, after the step
+    index.register(a, epoch, [concept])
+    assert index.done["a"] == (epoch, 3)
+
+    hit, n = lookup(hashes[:2] + [b"x" * 32], 95)
+    assert (n, hit.tokens, hit.concepts) == (64, 64, 37) and isinstance(hit, Hit)
+    assert hit.snapshot == (token.req_to_blocks["a"][1].block_id, epoch)  # where the model copies the state from
+    a_row = concept.req_to_blocks["a"]
+    assert list(hit) == a_row[1:3]  # ceil(37 / 32) = 2 concept blocks, after a's lead block
+    assert lookup(hashes, 95)[1] == 64 and lookup(hashes, 96)[1] == 96  # at most max_length tokens
+    assert lookup([b"y" * 32, b"z" * 32], 64)[1] == 0  # another prefix (hashes chain: every block differs)
+    free = pool.get_num_free_blocks()
+    need = concept.get_num_blocks_to_allocate("b", 80, hit, 64, 64, 80)
+    concept.add_local_computed_blocks("b", hit, 64, 0)
+    concept.allocate_new_blocks("b", 80, 80)
+    row = concept.req_to_blocks["b"]
+    assert free - pool.get_num_free_blocks() == need == 2  # its lead block and the copy (37 + 16 <= 64 slots)
+    assert row[1] is a_row[1] and row[2] is not a_row[2] and row[0] not in a_row
+    assert [(s.block_id, d.block_id) for s, d in concept.take_pending_cow_copies()] == [(a_row[2].block_id,
+                                                                                        row[2].block_id)]
+    assert concept.hits["b"][:2] == (64, 37) and concept._report("b") == (64, 37)  # b's slots start from the hit
+    # a request whose step is flagged (c): its token blocks, never committed, leave vLLM's cache
+    c = SimpleNamespace(request_id="c", block_hashes=[b"c" * 32], num_computed_tokens=32)
+    token.allocate_new_blocks("c", 32, 32)
+    pool._insert_block_hash(make_block_hash_with_group_id(c.block_hashes[0], 0), token.req_to_blocks["c"][0], None)
+    index.uncommitted("c")
+    assert token.req_to_blocks["c"][0].block_hash is None
+    for m in (token, concept):
+        for rid in ("a", "b"):
+            m.free(rid)
+    pool.get_new_blocks(pool.get_num_free_blocks())  # everything reused: a's blocks evicted
+    assert lookup(hashes, 96)[1] == 0

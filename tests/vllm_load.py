@@ -54,6 +54,33 @@ def grow_prompts() -> list[list[int]]:
 GROW = 56  # 8 + 56 <= max-model-len 128
 
 
+def shared_prompts() -> list[list[int]]:
+    """Prompts that share beginnings, for prefix caching: a 32-token block, 45 tokens (off a block
+    end), 64 and 70, each before questions of their own; the first is sent alone and the rest
+    after it, so they find its blocks cached (hits land on the 32-token block ends)."""
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()  # noqa: E731
+    base = ids(70)
+    return [base + ids(6), base[:32] + ids(3), base[:45] + ids(20), base[:64] + ids(1), base + ids(30),
+            base[:70] + ids(2), base[:33], base + ids(6)[:2]]
+
+
+def check_cached(got: dict) -> None:
+    """Prefix caching (on by default, as vLLM serves every model): the shared prompts exact, and
+    they hit, before and after the grow load's evictions and preemptions."""
+    assert got["cached"] == got["want_cached"]
+    assert got["cached_again"] == got["want_cached"]
+    assert got["hits"] > 0 and got["hits_again"] > 0, (got["hits"], got["hits_again"])
+
+
+def shared(url: str) -> tuple[list[list[int]], float]:
+    """The shared prompts' greedy completions (the first alone, then the rest together) and the
+    prefix-cache hits they made (tokens, from vLLM's /metrics)."""
+    before = metric(url, "vllm:prefix_cache_hits_total")
+    got = complete(url, shared_prompts()[:1], NEW) + complete(url, shared_prompts()[1:], NEW)
+    return got, metric(url, "vllm:prefix_cache_hits_total") - before
+
+
 def reference(run, ps: list[list[int]], new: int) -> list[list[int]]:
     model, *_ = load_run(run, "cpu")
     model.eval()
@@ -118,11 +145,13 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
     with vllm_server(run, runs / f"{label}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
                      "--vllm-args", vllm_args, *cli, env=env) as url:
         got = complete(url, prompts(), NEW)
+        cached, hits = shared(url)
         echo = prompt_logprobs(url, prompts()[8])  # prefilled whole: flagged at its last chunk when estimated
         tokenized = httpx.post(url.removesuffix("/v1") + "/tokenize", timeout=60, json={
             "prompt": HELD_OUT_TEXT, "add_special_tokens": False}).json()["tokens"]
         grown = grow(url)
         again = complete(url, prompts()[:3], NEW)  # the same prompts again, after the load
+        cached_again, hits_again = shared(url)  # after the grow load's evictions
         # Seeded, a short prompt and one of 57 tokens, prefilled in 16-token chunks whose draws are
         # discarded and rewound (vLLM 0.32's CPU engine failed that; the plugin's seeded.py fixes it),
         # alone and beside other requests (which moves the chunk boundaries).
@@ -148,6 +177,8 @@ def serve_and_check(runs, name: str, *cli: str, label: str | None = None, vllm_a
 
             hostile = fuzz(url, (prompts()[0], want[0]), 224 if serves_long else 128)
         figures = {"refused": (refused.status_code, refused.text), "got": got, "again": again, "want": want, "grown": grown,
+                   "cached": cached, "cached_again": cached_again, "want_cached": reference(run, shared_prompts(), NEW),
+                   "hits": hits, "hits_again": hits_again, "hits_all": metric(url, "vllm:prefix_cache_hits_total"),
                    "echo": echo, "want_echo": reference_logprobs(run, prompts()[8]),
                    "tokenized": tokenized, "want_tokenized": load_tokenizer(run / "tokenizer.json").encode(HELD_OUT_TEXT).ids,
                    "seeded_flag": seeded_flag, "seeded_flag_recomputed": seeded_flag_recomputed,

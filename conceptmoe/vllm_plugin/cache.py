@@ -54,7 +54,7 @@ class ConceptCache:
         per = self._per_block()
         return host(token_table)[req, index * per].astype(np.int64) // per
 
-    def begin(self, groups, batch: Batch, states: RequestStates, token_table: torch.Tensor) -> tuple:
+    def begin(self, groups, batch: Batch, states: RequestStates) -> tuple:
         """The step's feedback keys and grants per concept group, read once; each request's state row
         reset where it starts from its first token, or, where a new life starts after a prefix hit,
         copied from the hit's snapshot (``prefix.py``). The third item: the requests whose snapshot
@@ -67,15 +67,15 @@ class ConceptCache:
         lives, known = grants[0][:, 0], states.lives.numpy()
         broken = np.zeros(len(rows), dtype=bool)
         hit = np.flatnonzero((lives > 0) & (known[rows] != lives) & (done > 0))
-        if hit.size:
-            block = self.vllm_config.cache_config.block_size
-            if self._snaps is None:
-                broken[hit] = True
-            else:
-                at = self._token_blocks(token_table, hit, np.maximum(done[hit] // block - 1, 0))
-                snap, whole = self.feedback_table().snapshots(at)
-                good = whole & (done[hit] % block == 0) & (snap[:, 1] == done[hit])
-                broken[hit[~good]] = True
+        if hit.size:  # a new life after a prefix hit: its snapshot's row and writer from the grant
+            at, writer = grants[0][hit, 3], grants[0][hit, 4]
+            snap, whole = self.feedback_table().snapshots(at)
+            good = whole & (snap[:, 0] == writer) & (snap[:, 1] == done[hit]) & (self._snaps is not None)
+            broken[hit[~good]] = True
+            for r in hit[~good].tolist():
+                logger.error("ConceptMoE in vLLM: batch row %d resumes after a prefix hit of %d tokens whose "
+                             "snapshot is not there; the request is ended", r, done[r])
+            if good.any():
                 states.copy_rows(rows[hit[good]], self._snaps, at[good])
         known[rows[lives > 0]] = lives[lives > 0]
         return keys, grants, broken

@@ -46,9 +46,10 @@ KEY_ENV = "CONCEPTMOE_VLLM_FEEDBACK_KEY"  # the launch's random key, inherited b
 ESTIMATED, HANDLED = 1, 2  # grant mode bits
 OVERFLOW, BROKEN = 1, 2  # report flags
 
-# columns: the grant (sequence, epoch, capacity, mode), the report (sequence, epoch, T, C, flag), and,
-# keyed by a token block, the snapshot at its end (sequence, epoch, T, C: ``prefix.py``)
-_G, _R, _S, _WIDTH = 0, 4, 9, 13
+# columns: the grant (sequence, epoch, capacity, mode, and a prefix hit's snapshot: its row and its
+# writer's epoch), the report (sequence, epoch, T, C, flag), and, keyed by a token block, the
+# snapshot at its end (sequence, epoch, T, C: ``prefix.py``)
+_G, _R, _S, _WIDTH = 0, 6, 11, 15
 
 
 class FeedbackError(RuntimeError):
@@ -128,12 +129,13 @@ class FeedbackTable:
 
     # -- grants: scheduler -> model ---------------------------------------------------------------
 
-    def grant(self, key: int, epoch: int, capacity: int, mode: int) -> None:
-        self._store(key, _G, [epoch, capacity, mode])
+    def grant(self, key: int, epoch: int, capacity: int, mode: int, snapshot: tuple[int, int] = (0, 0)) -> None:
+        self._store(key, _G, [epoch, capacity, mode, *snapshot])
 
     def grants(self, keys: np.ndarray) -> np.ndarray:
-        """(K, 3): epoch, capacity, mode per key; a torn or missing grant reads as epoch 0."""
-        vals, ok = self._load(keys, _G, 3)
+        """(K, 5): epoch, capacity, mode, a hit's snapshot row and its writer's epoch, per key; a torn or
+        missing grant reads as epoch 0."""
+        vals, ok = self._load(keys, _G, 5)
         vals[~ok] = 0
         return vals
 
@@ -167,7 +169,7 @@ class FeedbackTable:
         return self._load(keys, _S, 3)
 
     def clear(self, key: int) -> None:
-        self._store(key, _G, [0, 0, 0])
+        self._store(key, _G, [0, 0, 0, 0, 0])
         self._store(key, _R, [0, 0, 0, 0])
 
 

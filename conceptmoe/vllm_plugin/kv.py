@@ -179,7 +179,7 @@ class ConceptAttentionManager(FullAttentionManager):
         self._granted: dict[str, tuple[int, int, int, int]] = {}  # the last grant written, per request
         self.margin, self.pad = _estimate_terms()
         self.lead = 1 if self.enable_caching else 0  # blocks before a row's concepts
-        self.hits: dict[str, tuple[int, int]] = {}  # request id -> (T, C) of its prefix hit
+        self.hits: dict[str, tuple[int, int, int, int]] = {}  # request id -> its prefix hit's T, C, snapshot
         self.chains: dict[str, list] = {}  # request id -> its concept blocks registered so far (prefix.py)
 
     def _key_block(self, request_id: str):
@@ -191,7 +191,8 @@ class ConceptAttentionManager(FullAttentionManager):
         """(T, C) of the request's last report under its epoch, else of its prefix hit (None: neither)."""
         first = self._key_block(request_id)
         got = self._table.report(first.block_id, self.epochs.get(request_id, 0)) if first else None
-        return self.hits.get(request_id) if got is None else got[:2]
+        hit = self.hits.get(request_id)
+        return (hit[:2] if hit else None) if got is None else got[:2]
 
     def flag(self, request_id: str) -> int:
         return self.flags([request_id])[0]
@@ -227,7 +228,8 @@ class ConceptAttentionManager(FullAttentionManager):
         if request_id not in self.req_to_blocks:  # a new life: its hit, if any, is where its concepts start
             self.hits.pop(request_id, None)
             if isinstance(new_computed_blocks, Hit) and new_computed_blocks:
-                self.hits[request_id] = (new_computed_blocks.tokens, new_computed_blocks.concepts)
+                hit = new_computed_blocks
+                self.hits[request_id] = (hit.tokens, hit.concepts, *hit.snapshot)
         slots = self.lead * self.block_size + self._slots(request_id, num_tokens)[0]
         return super().get_num_blocks_to_allocate(request_id, slots, new_computed_blocks, *args, **kwargs)
 
@@ -268,7 +270,7 @@ class ConceptAttentionManager(FullAttentionManager):
             self.chains.pop(request_id, None)
         capacity = (len(held) - self.lead) * self.block_size
         mode = (ESTIMATED if capacity < bound else 0) | (HANDLED if self.estimates else 0)
-        grant = (held[0].block_id, self.epochs[request_id], capacity, mode)
+        grant = (held[0].block_id, self.epochs[request_id], capacity, mode, self.hits.get(request_id, (0,) * 4)[2:])
         if self._granted.get(request_id) != grant:  # most steps change nothing: no write
             self._table.grant(*grant)
             self._granted[request_id] = grant

@@ -321,7 +321,7 @@ class ConceptMoEForCausalLM(nn.Module):
         after preemption; a prefix hit's snapshot: ``cache.py``) and, for an elastic model, their ratio terms."""
         groups, tok = self._cache.groups(md), md[self.token_attn[0].layer_name]
         batch, states = Batch.of(tok, groups[0][1]), self._cache.states(x)
-        fed = self._cache.begin(groups, batch, states, tok.block_table)
+        fed = self._cache.begin(groups, batch, states)
         return _Step(md, groups, batch, states, self._terms(batch, x.device), batch.ends[-1] if batch.ends else 0,
                      fed, tok.block_table)
 

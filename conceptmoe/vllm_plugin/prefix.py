@@ -33,10 +33,12 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 
 class Hit(list):
-    """A concept group's blocks of a prefix-cache hit, with the prefix's tokens and concepts."""
+    """A concept group's blocks of a prefix-cache hit, with the prefix's tokens and concepts and its
+    snapshot (the row the model copies the state from, and its writer's epoch)."""
 
     tokens: int = 0
     concepts: int = 0
+    snapshot: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Snapshot:
 
     token_block: object  # the token group's block that ends the prefix (its snapshot's row)
     token_key: bytes  # that block's hash in the token group, while it holds this prefix
+    epoch: int  # the life of the request that wrote the snapshot
     concepts: int  # C at the prefix's end
     chain: list  # (block, key) of the writer's concept blocks, in order: the first ceil(C / block) are its
 
@@ -66,25 +69,47 @@ def salted(request, ratio: float | None, default: float) -> None:
 
 
 class PrefixIndex:
-    """Snapshots by (concept group, token prefix hash), for the concept managers of one block pool."""
+    """Snapshots by (concept group, token prefix hash), for the concept managers of one block pool.
 
-    def __init__(self, pool, token_group: int, token_manager, table, block_size: int) -> None:
-        self.pool, self.token_group, self.token_manager = pool, token_group, token_manager
+    vLLM caches a token block under its hash when it allocates it, before the step that computes
+    it: a hit may be handed a block whose step has not run, or was flagged (its decoder's KV made
+    with the request's concepts dropped). So a hit here also needs every token block vLLM would
+    hand it to be **committed**: computed in a step whose snapshots were registered, and not
+    given out again since (``get_new_blocks`` is watched)."""
+
+    def __init__(self, pool, token_groups: list[int], token_managers: list, table, block_size: int) -> None:
+        self.pool, self.token_groups, self.token_managers = pool, token_groups, token_managers
         self.table, self.block_size = table, block_size
         self.records: dict[tuple[int, bytes], Snapshot] = {}
         self.done: dict[str, tuple[int, int]] = {}  # request id -> (its life, token blocks registered in it)
+        self.committed: set[int] = set()  # token block ids computed in registered steps
+        new_blocks = pool.get_new_blocks
+
+        def get_new_blocks(num_blocks: int):
+            blocks = new_blocks(num_blocks)
+            self.committed.difference_update(b.block_id for b in blocks)
+            return blocks
+
+        pool.get_new_blocks = get_new_blocks
 
     def forget(self, request_id: str) -> None:
         self.done.pop(request_id, None)
+
+    def uncommitted(self, request_id: str) -> None:
+        """A flagged request: its token blocks not committed leave the cache (their KV may be wrong)."""
+        for m in self.token_managers:
+            for blk in m.req_to_blocks.get(request_id, ()):
+                if blk.block_hash is not None and blk.block_id not in self.committed and not blk.is_null:
+                    self.pool._maybe_evict_cached_block(blk)
 
     def register(self, request, epoch: int, managers) -> None:
         """The snapshots the worker wrote for ``request`` (its life ``epoch``) at the ends of token
         blocks it has completed, and the concept blocks they own, into the index and the pool."""
         rid, block = request.request_id, self.block_size
-        token_blocks = self.token_manager.req_to_blocks.get(rid, ())
+        token_blocks = self.token_managers[0].req_to_blocks.get(rid, ())
         life, start = self.done.get(rid, (0, 0))
         if life != epoch:  # a new life starts after its prefix hit, if any
-            start = managers[0].hits.get(rid, (0, 0))[0] // block
+            start = managers[0].hits.get(rid, (0,))[0] // block
         upto = min(request.num_computed_tokens // block, len(request.block_hashes), len(token_blocks))
         if upto <= start:
             return
@@ -106,8 +131,10 @@ class PrefixIndex:
                     chain.append((blk, key))
                 if len(chain) * block < c:
                     return
-                token_key = make_block_hash_with_group_id(h, self.token_group)
-                self.records[(m.kv_cache_group_id, h)] = Snapshot(token_blocks[at], token_key, c, chain)
+                token_key = make_block_hash_with_group_id(h, self.token_groups[0])
+                self.records[(m.kv_cache_group_id, h)] = Snapshot(token_blocks[at], token_key, epoch, c, chain)
+            for tm in self.token_managers:
+                self.committed.add(tm.req_to_blocks[rid][at].block_id)
             self.done[rid] = (epoch, at + 1)
         if len(self.records) > 4 * self.pool.num_gpu_blocks:
             self._sweep()
@@ -123,12 +150,23 @@ class PrefixIndex:
         """Drop the records whose blocks have been evicted."""
         self.records = {k: r for k, r in self.records.items() if self._valid(r)}
 
+    def _committed_prefix(self, block_hashes, n: int) -> int:
+        """How many of the first ``n`` token blocks vLLM would hand a hit are committed, in every token group."""
+        cached = self.pool.cached_block_hash_to_block
+        for i in range(n):
+            for g in self.token_groups:
+                blk = cached.get_one_block(make_block_hash_with_group_id(block_hashes[i], g))
+                if blk is None or blk.block_id not in self.committed:
+                    return i
+        return n
+
     def longest(self, block_hashes, max_length: int, groups: list[int], alignment: int) -> tuple[tuple, int]:
         """The concept blocks (a ``Hit`` per group) of the longest prefix of ``block_hashes``, at most
         ``max_length`` tokens and a multiple of ``alignment``, whose snapshot and blocks are all
-        still cached; and its length in tokens."""
+        still cached and whose token blocks are committed; and its length in tokens."""
         block = self.block_size
-        for n in range(min(len(block_hashes), max_length // block), 0, -1):
+        top = self._committed_prefix(block_hashes, min(len(block_hashes), max_length // block))
+        for n in range(top, 0, -1):
             if (n * block) % alignment:
                 continue
             h = block_hashes[n - 1]
@@ -142,7 +180,7 @@ class PrefixIndex:
             hits = []
             for r in recs:
                 hit = Hit(blk for blk, _ in r.chain[:-(-r.concepts // block)])
-                hit.tokens, hit.concepts = n * block, r.concepts
+                hit.tokens, hit.concepts, hit.snapshot = n * block, r.concepts, (r.token_block.block_id, r.epoch)
                 hits.append(hit)
             return tuple(hits), n * block
         return tuple(Hit() for _ in groups), 0

@@ -84,11 +84,13 @@ class ConceptScheduler(Scheduler):
         managers = self.kv_cache_manager.coordinator.single_type_managers
         if not self.concept_managers or not self.concept_managers[0].enable_caching:
             return None
-        token = self._group_of("token_attn.0")
+        token = self._group_of("token_attn.0")  # the group whose blocks the model's snapshots are keyed by
         first = managers[self._group_of("concept_attn.0")]  # the group whose epoch the model writes
         self.concept_managers.sort(key=lambda m: m is not first)
         m = self.concept_managers[0]
-        index = PrefixIndex(m.block_pool, token, managers[token], m._table, m.block_size)
+        tokens = sorted((i for i, t in enumerate(managers) if not isinstance(t, ConceptAttentionManager)),
+                        key=lambda i: i != token)
+        index = PrefixIndex(m.block_pool, tokens, [managers[i] for i in tokens], m._table, m.block_size)
         m.block_pool.conceptmoe_prefix = index  # where the managers' hit finder (a classmethod) finds it
         logger.info("ConceptMoE: prefix caching on (concept blocks and snapshots registered after each step)")
         return index
@@ -119,6 +121,8 @@ class ConceptScheduler(Scheduler):
         flags = self._flags(scheduler_output) if self.concept_managers else {}
         if self.prefix is not None:
             self._register(scheduler_output, flags)
+            for req_id in flags:
+                self.prefix.uncommitted(req_id)
         out = model_runner_output
         for req_id in flags:  # everything the step made for a flagged request is dropped (recompute.py)
             i = out.req_id_to_index.get(req_id)
