@@ -30,9 +30,11 @@ need_vllm()
 from hf_helpers import concept_run  # noqa: E402
 
 from conceptmoe import load_run  # noqa: E402
-from vllm_fuzz import KINDS  # noqa: E402
+from vllm_fuzz import KINDS, fuzz  # noqa: E402
 from vllm_load import (BUDGET_MB, LENGTHS, LONG_ARGS, NEW, SHAPE, VLLM_ARGS, check_cached, prompts,  # noqa: E402
                        serve_and_check)
+
+LARGE_MB = 64  # a KV budget that does not bind: the fuzz at the other end from BUDGET_MB
 
 
 @pytest.fixture(scope="module")
@@ -169,18 +171,28 @@ def test_elastic_run_in_vllm_is_exact(runs, eager):
                   for p, r in zip(prompts(), mixed)]
     assert want_mixed != want  # the ratio changes the output: the test can tell them apart
     # Eager (--enforce-eager, the path on CUDA) and compiled: the ratio terms enter the compiled router.
-    with vllm_server(folder, runs / f"elastic-{eager}.log", "--kv-cache-mb", str(BUDGET_MB), "--max-batch", "16",
+    # eager at the binding budget; compiled at a large one, where it also takes the hostile traffic
+    budget = BUDGET_MB if eager else LARGE_MB
+    with vllm_server(folder, runs / f"elastic-{eager}.log", "--kv-cache-mb", str(budget), "--max-batch", "16",
                      "--vllm-args", VLLM_ARGS + (" --enforce-eager" if eager else "")) as url:
         assert complete(url, prompts(), NEW) == want
         xargs = [{"vllm_xargs": {"concept_ratio": r}} if r else {} for r in mixed]
-        # the same prompts at R 2 and 4 must not hit their R-3 prefixes (R is in their hashes), the R-3 ones may
-        hits = metric(url, "vllm:prefix_cache_hits_total")
         assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed
-        assert complete(url, prompts(), NEW, per_prompt=xargs) == want_mixed  # each R hits its own
-        assert metric(url, "vllm:prefix_cache_hits_total") > hits
+        # Prefix caching: the 57-token prompt alone at R 4, twice (the second finds the first's 32-token
+        # prefix), then at R 2 (R is in its hashes: it must not find R 4's) and at the export's R.
+        hits = metric(url, "vllm:prefix_cache_hits_total")
+        for r in (4.0, 4.0, 2.0, None, None):
+            want_r = model.generate(torch.tensor([prompts()[8]]), NEW, temperature=0, ratio=r or 3.0)[0, 57:].tolist()
+            extra = [{"vllm_xargs": {"concept_ratio": r}} if r else {}]
+            assert complete(url, [prompts()[8]], NEW, per_prompt=extra) == [want_r], r
+        assert metric(url, "vllm:prefix_cache_hits_total") >= hits + 2 * 32
         for bad, why in ((9.0, "outside the trained range [2, 4]"), ("2", "must be a number"),
                          (1.0, "finite number > 1")):
             r = httpx.post(url + "/v1/completions", timeout=60, json={
                 "prompt": prompts()[0], "max_tokens": 2, "vllm_xargs": {"concept_ratio": bad}})
             assert r.status_code == 400 and why in r.text, (bad, r.status_code, r.text[:300])
         assert complete(url, prompts()[:2], NEW) == want[:2]  # still serving
+        if not eager:
+            hostile = fuzz(url, (prompts()[0], want[0]), 128)
+            assert all(hostile["exact_after"]), hostile
+            assert {k.split(":")[0] for k in hostile["seen"]} == set(KINDS), hostile["seen"]

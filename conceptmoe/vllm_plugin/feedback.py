@@ -1,5 +1,5 @@
 """The channel between vLLM's scheduler and the ConceptMoE's worker: grants one way, reports the
-other (CONCEPTMOE.md §4; the managers in ``kv.py``, the model's side in ``ConceptCache``).
+other (CONCEPTMOE.md §4; the managers in ``kv.py``, the model's side in ``cache.py``).
 
 Concepts are decided by the model, after the scheduler has allocated a step's blocks. So:
 

@@ -225,7 +225,7 @@ class ConceptAttentionManager(FullAttentionManager):
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks=(), *args,
                                    **kwargs) -> int:
-        if request_id not in self.req_to_blocks:  # a new life: its hit, if any, is where its concepts start
+        if not self.req_to_blocks.get(request_id):  # a new life: its hit, if any, is where its concepts start
             self.hits.pop(request_id, None)
             if isinstance(new_computed_blocks, Hit) and new_computed_blocks:
                 hit = new_computed_blocks
