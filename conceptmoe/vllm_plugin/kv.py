@@ -69,6 +69,11 @@ class ConceptAttentionSpec(AttentionSpec):
         concepts = math.ceil(vllm_config.model_config.max_model_len / self.compression)
         return cdiv(concepts, self.block_size) * self.page_size_bytes
 
+    def max_num_blocks_per_req(self, vllm_config, max_len: int) -> int:
+        """The worker's block-table row: every token a concept at worst, after the lead block a row
+        starts with under prefix caching (``ConceptAttentionManager.lead``)."""
+        return cdiv(max_len, self.block_size) + 1
+
 
 class TableOnly:
     """What vLLM's runner builds for a concept group each step: the group's block table (kernel

@@ -167,7 +167,8 @@ class ConceptScheduler(Scheduler):
         token = [m.block_size for m in self.kv_cache_manager.coordinator.single_type_managers
                  if not isinstance(m, ConceptAttentionManager)]
         concept = [(m.block_size, m.rate(rid), m.margin, m.pad, m.boost.get(rid, 1.0)) for m in self.concept_managers]
-        plan = recompute_plan(request.num_tokens + 1, self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+        leads = sum(m.lead for m in self.concept_managers)  # a row's lead block in each concept group
+        plan = recompute_plan(request.num_tokens + 1, self.kv_cache_manager.block_pool.num_gpu_blocks - 1 - leads,
                               token, concept)
         if plan is None:
             return None
