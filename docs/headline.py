@@ -142,6 +142,9 @@ SERVING = (  # record, engine, note
     ("serving/vllm-mixed-32mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
     ("serving/vllm-mixed-512mb/serve.json", "vLLM", "the default pair, estimates, both compiled"),
     ("serving/vllm-deep-mixed-64mb/serve.json", "vLLM", "the deep pair (2 + 12 + 2), both compiled"),
+    ("serving/vllm-shared-prefix/serve.json", "vLLM",
+     "6 shared system prompts of 1200 tokens, 8 at a time, prefix caching on both, the default pair"),
+    ("serving/vllm-chat/serve.json", "vLLM", "chat, 8 conversations of 4 turns, prefix caching on both, the default pair"),
 )
 
 
@@ -167,7 +170,8 @@ def serving() -> str:
         s = rec["settings"]
         # vLLM admits at first-chunk size, so its peak can reach every request even where memory binds
         preempted = engine == "vLLM" and moe["preemptions"] > 0
-        peak_short = min(moe["peak_concurrent"], cm["peak_concurrent"]) < s["requests"]
+        at_once = min(s["requests"], s.get("concurrency") or s["requests"])  # what the load offers at once
+        peak_short = min(moe["peak_concurrent"], cm["peak_concurrent"]) < at_once and s.get("workload") != "chat"
         binds = "binds" if preempted or peak_short else "does not bind"
         shape = f"{s['requests']} × {s['prompt_len']} + {s['output_len']}"
         if s.get("len_spread"):
