@@ -86,11 +86,11 @@ class ConceptCache:
         reached, in the row of the token block that ends there, and (epoch, T, C) for the scheduler."""
         if self._snaps is None:
             return
-        lives = grants[0][:, 0]
-        req, t = block_ends(batch, self.vllm_config.cache_config.block_size, (flags != 0) | (lives <= 0))
+        lives, block = grants[0][:, 0], self.vllm_config.cache_config.block_size
+        req, t = block_ends(batch, block, (flags != 0) | (lives <= 0))
         if not req.size:
             return
-        at = self._token_blocks(token_table, req, t // self.vllm_config.cache_config.block_size - 1)
+        at = self._token_blocks(token_table, req, t // block - 1)
         rows = np.asarray(batch.rows, dtype=np.int64)
         last = t == (np.asarray(batch.done) + np.asarray(batch.ends) - np.asarray(batch.starts))[req]
         snaps = self._snaps
@@ -179,13 +179,11 @@ class ConceptCache:
 
     def _keys(self, table: torch.Tensor, n: int) -> np.ndarray:
         """The feedback keys of the first ``n`` requests: their first block, in the scheduler's units."""
-        kbs = self.layers[0].kv_cache.shape[2]
-        per_block = max(1, self.vllm_config.cache_config.block_size // kbs)  # kernel blocks per block
-        return host(table[:n, 0]) // per_block
+        return host(table[:n, 0]) // self._per_block()
 
     def grants(self, groups, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 3: epoch,
-        capacity, mode); the keys are the report's too."""
+        """Per concept group, the first ``n`` requests' feedback keys (n,) and grants (n, 5: epoch,
+        capacity, mode, a prefix hit's snapshot row and writer); the keys are the report's too."""
         table = self.feedback_table()
         keys = [self._keys(bt, n) for _, bt in groups]
         return keys, [table.grants(k) for k in keys]

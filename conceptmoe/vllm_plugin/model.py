@@ -368,7 +368,8 @@ class ConceptMoEForCausalLM(nn.Module):
             states.concepts.numpy()[rows] += bn
         else:
             b, mean = on(bn, dev), cfg.concept_pooling == "mean"
-            pool0 = (states.pool_sum[rows_t].clone(), states.pool_count[rows_t].clone()) if mean else None
+            if mean and self._cache.lead and not decode:  # a prefill's inner block ends need the pool it began with
+                pool0 = (states.pool_sum[rows_t].clone(), states.pool_count[rows_t].clone())
             c_raw, c_pos, c_p = concept_inputs(h, b, p, at, cpos, batch, states, mean)
             counts, firsts = counts.tolist(), firsts.tolist()
             if flags.any():  # their concepts dropped: nothing written; the scheduler recomputes or ends them
